@@ -1,0 +1,123 @@
+"""Shared interface and text format of the synthetic verifiable tasks.
+
+Every task produces `Example`s: a `prompt` (what the policy is conditioned on), a
+`demonstration` (the completion a good policy writes, reasoning included, ending with the
+final-answer marker and the answer), and `meta`, a JSON-serialisable dict holding whatever
+the reward needs (the expected answer, held-out test cases, the tool world ...).
+
+Text format (all tasks):
+  * The completion ends with ``ANSWER_MARKER`` followed by the final answer. The policy then
+    emits the end-of-sequence token; decoded completions may or may not contain ``EOS_MARKER``
+    and rewards accept both.
+  * Multi-turn tasks: the policy emits ``CALL_START <call> CALL_END``; the environment replies
+    with ``RESULT_START <result> RESULT_END``, which is appended to the context. Tool results
+    are not the policy's text: everything from RESULT_START to RESULT_END inclusive is
+    excluded from training losses.
+
+Model-generated text is hostile input. `reward` and environments never raise, never hang and
+do bounded work on any string: they clip the input to `MAX_COMPLETION_CHARS` first.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+from typing import Any
+
+# Special markers. Each is one token of the tokenizer (bebop_jax.data.tokenizer).
+BOS_MARKER = "<|bos|>"
+EOS_MARKER = "<|eos|>"
+PAD_MARKER = "<|pad|>"
+ANSWER_MARKER = "<|answer|>"
+CALL_START = "<|call|>"
+CALL_END = "<|/call|>"
+RESULT_START = "<|result|>"
+RESULT_END = "<|/result|>"
+SPECIAL_MARKERS = (PAD_MARKER, BOS_MARKER, EOS_MARKER, ANSWER_MARKER,
+                   CALL_START, CALL_END, RESULT_START, RESULT_END)
+
+# Rewards look at no more than this many characters of a completion.
+MAX_COMPLETION_CHARS = 4096
+# A final answer longer than this is wrong without being parsed.
+MAX_ANSWER_CHARS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One task instance.
+
+  Attributes:
+    task: task name ("math", "code", "agentic").
+    prompt: the text the policy is conditioned on.
+    demonstration: the completion a good policy writes (for agentic tasks the whole
+      transcript, tool results included between RESULT_START and RESULT_END).
+    meta: JSON-serialisable data the reward needs.
+  """
+  task: str
+  prompt: str
+  demonstration: str
+  meta: dict[str, Any]
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+  @classmethod
+  def from_json(cls, text: str | bytes) -> "Example":
+    return cls(**json.loads(text))
+
+
+def clip_completion(text: Any) -> str:
+  """Returns `text` as a str of at most MAX_COMPLETION_CHARS characters; never raises."""
+  if isinstance(text, bytes):
+    text = text[:MAX_COMPLETION_CHARS].decode("utf-8", errors="replace")
+  if not isinstance(text, str):
+    return ""
+  return text[:MAX_COMPLETION_CHARS]
+
+
+def extract_final_answer(completion: Any) -> str | None:
+  """The stripped text after the first ANSWER_MARKER, up to EOS or the end; None if absent.
+
+  Bounded work: the completion is clipped first and an answer over MAX_ANSWER_CHARS is None.
+  """
+  text = clip_completion(completion)
+  start = text.find(ANSWER_MARKER)
+  if start < 0:
+    return None
+  answer = text[start + len(ANSWER_MARKER):]
+  end = answer.find(EOS_MARKER)
+  if end >= 0:
+    answer = answer[:end]
+  answer = answer.strip()
+  if len(answer) > MAX_ANSWER_CHARS:
+    return None
+  return answer
+
+
+def parse_int(text: str | None, max_digits: int = 18) -> int | None:
+  """Parses an optionally signed decimal integer of at most `max_digits` digits, else None."""
+  if text is None:
+    return None
+  body = text[1:] if text[:1] in ("-", "+") else text
+  if not body or len(body) > max_digits or not body.isascii() or not body.isdigit():
+    return None
+  return int(text)
+
+
+class Task(abc.ABC):
+  """A seeded generator of examples with a verifiable reward."""
+
+  name: str
+
+  @abc.abstractmethod
+  def sample(self, seed: int) -> Example:
+    """Deterministic in `seed` (and the task's difficulty knobs)."""
+
+  @abc.abstractmethod
+  def reward(self, example: Example, completion: str) -> float:
+    """Score in [0, 1] of a completion (text after the prompt). Never raises."""
+
+  @property
+  def multi_turn(self) -> bool:
+    return False
