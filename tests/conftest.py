@@ -1,10 +1,17 @@
-"""Shared fixtures: a tiny data config whose datasets are prepared once per session."""
+"""Shared fixtures. Eight simulated CPU devices are set up before JAX starts, so sharded
+tests can build meshes; everything else runs on the first device as usual."""
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from bebop_jax import config as config_lib
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
 
 
 @pytest.fixture(scope="session")

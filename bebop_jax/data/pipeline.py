@@ -1,0 +1,159 @@
+"""Grain pipelines: SFT batches and RL prompt batches over the task datasets.
+
+SFT batch (every array [batch_size, seq_len]):
+  tokens       int32  bos, prompt, demonstration, eos; 0 (pad) past the end.
+  segment_ids  int32  1, 2, ... per packed example; 0 on padding.
+  positions    int32  position inside the example (restarts at 0 per segment).
+  loss_mask    int32  1 where the token is a training target: demonstration tokens and eos;
+                      0 on bos, prompt, tool results (RESULT_START..RESULT_END inclusive)
+                      and padding. Predicting token t from position t-1 is the trainer's job.
+
+RL prompt batch (batch dimension prompts_per_batch * group_size, each prompt repeated
+group_size times in consecutive rows):
+  prompt_tokens  int32 [B*G, max_prompt_len]  bos + prompt, right-padded with 0.
+  prompt_lengths int32 [B*G]
+  task_ids       int32 [B*G]  index into TASK_NAMES.
+  group_ids      int32 [B*G]  row // group_size.
+  example_json   object [B*G]  the serialised `Example` the reward needs.
+
+Both are deterministic given the seed, and their iterators checkpoint: `it.get_state()` /
+`it.set_state(state)` (or `grain.checkpoint` handlers with orbax) resume exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import grain
+import numpy as np
+
+from bebop_jax.data import builders
+from bebop_jax.data.tokenizer import Tokenizer, get_tokenizer
+from bebop_jax.tasks import TASK_NAMES, Example
+
+_SFT_KEYS = ("tokens", "loss_mask")
+
+
+def sft_features(prompt: str, demonstration: str,
+                 tokenizer: Tokenizer | None = None) -> dict[str, np.ndarray]:
+  """Tokens and loss mask of one demonstration (unpadded, 1-D int32)."""
+  tok = tokenizer or get_tokenizer()
+  prompt_ids = tok.encode(prompt, add_bos=True)
+  completion_ids = tok.encode(demonstration, add_eos=True)
+  tokens = np.asarray(prompt_ids + completion_ids, dtype=np.int32)
+  mask = np.zeros(len(tokens), dtype=np.int32)
+  mask[len(prompt_ids):] = 1
+  mask[tool_result_mask(tokens, tok)] = 0
+  return {"tokens": tokens, "loss_mask": mask}
+
+
+def tool_result_mask(tokens: np.ndarray, tokenizer: Tokenizer | None = None) -> np.ndarray:
+  """Boolean mask of tool-result tokens: RESULT_START through RESULT_END inclusive.
+
+  An unterminated result runs to the end of the sequence.
+  """
+  tok = tokenizer or get_tokenizer()
+  tokens = np.asarray(tokens)
+  opens = np.cumsum(tokens == tok.result_start_id, axis=-1)
+  closes = np.cumsum(tokens == tok.result_end_id, axis=-1)
+  # Inside a result: more opens than closes so far, or this token is the closing marker.
+  return (opens > closes) | (tokens == tok.result_end_id)
+
+
+def task_source(data_cfg: Mapping[str, Any], task_name: str, split: str):
+  """The array-record source of one task's split, preparing the dataset on first use."""
+  task_cfg = data_cfg["tasks"][task_name]
+  builder = builders.prepare(
+      task_name, dict(task_cfg["knobs"]), data_dir=data_cfg["data_dir"],
+      num_train=data_cfg["num_train"], num_test=data_cfg["num_test"], seed=data_cfg["seed"])
+  return builder.as_data_source()[split]
+
+
+def _mixture(data_cfg: Mapping[str, Any], split: str, seed: int, repeat: bool
+             ) -> grain.MapDataset:
+  """Shuffled (and optionally repeated) weighted mixture of the task datasets."""
+  datasets, weights = [], []
+  names = [n for n in TASK_NAMES if data_cfg["tasks"][n]["weight"] > 0]
+  for name in names:
+    ds = grain.MapDataset.source(task_source(data_cfg, name, split)).shuffle(
+        seed=seed + 7919 * TASK_NAMES.index(name))
+    if repeat:
+      ds = ds.repeat()
+    datasets.append(ds.map(lambda record, n=name: {"task": n, **record}))
+    weights.append(float(data_cfg["tasks"][name]["weight"]))
+  if len(datasets) == 1:
+    return datasets[0]
+  return grain.MapDataset.mix(datasets, weights)
+
+
+def _as_str(value: Any) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
+                packing: bool = True, seed: int = 0, split: str = "train"
+                ) -> grain.IterDataset:
+  """Endless SFT batches (see module docstring); demonstrations longer than seq_len dropped."""
+  def featurize(record):
+    return sft_features(_as_str(record["prompt"]), _as_str(record["demonstration"]))
+
+  ds = (_mixture(data_cfg, split, seed, repeat=True)
+        .map(featurize)
+        .filter(lambda ex: len(ex["tokens"]) <= seq_len)
+        .to_iter_dataset())
+  if packing:
+    ds = grain.experimental.FirstFitPackIterDataset(
+        ds, length_struct={k: seq_len for k in _SFT_KEYS},
+        num_packing_bins=batch_size, seed=seed, shuffle_bins=True,
+        meta_features=("loss_mask",))
+    ds = ds.map(lambda ex: {"tokens": ex["tokens"],
+                            "segment_ids": ex["tokens_segment_ids"],
+                            "positions": ex["tokens_positions"],
+                            "loss_mask": ex["loss_mask"]})
+  else:
+    ds = ds.map(lambda ex: _pad_example(ex, seq_len))
+  return ds.batch(batch_size, drop_remainder=True)
+
+
+def _pad_example(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+  n = len(ex["tokens"])
+  pad = lambda a: np.pad(a, (0, seq_len - n)).astype(np.int32)
+  return {"tokens": pad(ex["tokens"]),
+          "segment_ids": pad(np.ones(n, np.int32)),
+          "positions": pad(np.arange(n, dtype=np.int32)),
+          "loss_mask": pad(ex["loss_mask"])}
+
+
+def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
+                      group_size: int, max_prompt_len: int, seed: int = 0,
+                      split: str = "train", repeat: bool = True) -> grain.IterDataset:
+  """Batches of prompts, each repeated `group_size` times (see module docstring)."""
+  tok = get_tokenizer()
+
+  def featurize(record):
+    ids = tok.encode(_as_str(record["prompt"]), add_bos=True)
+    if len(ids) > max_prompt_len:
+      raise ValueError(f"a {record['task']} prompt has {len(ids)} tokens, more than "
+                       f"max_prompt_len={max_prompt_len}; raise max_prompt_len")
+    return {"prompt_tokens": np.pad(np.asarray(ids, np.int32), (0, max_prompt_len - len(ids))),
+            "prompt_lengths": np.int32(len(ids)),
+            "task_ids": np.int32(TASK_NAMES.index(record["task"])),
+            "example_json": _as_str(record["example_json"])}
+
+  def repeat_group(batch):
+    out = {k: np.repeat(np.asarray(v), group_size, axis=0) for k, v in batch.items()}
+    out["group_ids"] = np.repeat(np.arange(prompts_per_batch, dtype=np.int32), group_size)
+    return out
+
+  ds = _mixture(data_cfg, split, seed, repeat=repeat).map(featurize)
+  return (ds.to_iter_dataset()
+          .batch(prompts_per_batch, drop_remainder=True)
+          .map(repeat_group))
+
+
+def eval_examples(data_cfg: Mapping[str, Any], task_name: str, num: int,
+                  split: str = "test") -> list[Example]:
+  """The first `num` held-out examples of one task (deterministic order)."""
+  source = task_source(data_cfg, task_name, split)
+  return [Example.from_json(_as_str(source[i]["example_json"]))
+          for i in range(min(num, len(source)))]

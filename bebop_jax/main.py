@@ -1,0 +1,50 @@
+r"""Entry point: runs the stages a config names.
+
+  python -m bebop_jax.main --config=configs/quickstart.py[:arg] \
+      [--config.key=value ...] [--workdir=DIR]
+
+The config file's `get_config(arg)` returns an ml_collections.ConfigDict; it is locked, so an
+override of a key that does not exist is an error, and `bebop_jax.config.validate` rejects bad
+values before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from bebop_jax import config as config_lib
+from bebop_jax import stages
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to an experiment config file (configs/*.py[:arg]).",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for checkpoints, metrics and reports "
+    "(default: runs/<config file name>).")
+
+
+def default_workdir(config_path: str) -> str:
+  """runs/<config file stem>[_<arg>] under the current directory."""
+  path, _, arg = config_path.partition(":")
+  stem = os.path.splitext(os.path.basename(path))[0]
+  return os.path.join("runs", stem + (f"_{arg}" if arg else ""))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = config_lib.validate(_CONFIG.value)
+  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+  os.makedirs(workdir, exist_ok=True)
+  logging.info("workdir: %s", os.path.abspath(workdir))
+  stages.run(config, workdir)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)

@@ -1,0 +1,65 @@
+"""The stages `bebop_jax.main` can run, in order. Each is `fn(config, workdir) -> None`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import ml_collections
+
+from bebop_jax import config as config_lib
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import pipeline
+
+
+def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Prepares every task dataset, prints examples with their rewards, checks both pipelines."""
+  d = config.data
+  report = {"tasks": {}}
+  for name in tasks_lib.TASK_NAMES:
+    if d.tasks[name].weight <= 0:
+      continue
+    start = time.perf_counter()
+    source = pipeline.task_source(d, name, "train")
+    task = tasks_lib.get_task(name, **d.tasks[name].knobs)
+    examples = pipeline.eval_examples(d, name, config.preview.examples_per_task)
+    report["tasks"][name] = {"num_train": len(source), "num_test": d.num_test,
+                             "prepare_s": round(time.perf_counter() - start, 2)}
+    print(f"\n===== {name}: {len(source)} train / {d.num_test} test examples "
+          f"(knobs {dict(d.tasks[name].knobs)})")
+    for ex in examples:
+      wrong = ex.demonstration[:len(ex.demonstration) // 2]
+      print(f"--- prompt:\n{ex.prompt}--- demonstration:\n{ex.demonstration}")
+      print(f"--- reward(demonstration) = {task.reward(ex, ex.demonstration):.2f}   "
+            f"reward(first half of it) = {task.reward(ex, wrong):.2f}")
+
+  batch = next(iter(pipeline.sft_dataset(d, batch_size=d.batch_size, seq_len=d.seq_len,
+                                         packing=d.packing, seed=config.seed)))
+  fill = float((batch["segment_ids"] > 0).mean())
+  targets = float(batch["loss_mask"].mean())
+  print(f"\nSFT batch: tokens {batch['tokens'].shape}, {fill:.1%} of positions filled, "
+        f"{targets:.1%} are loss targets")
+  rl = next(iter(pipeline.rl_prompt_dataset(
+      d, prompts_per_batch=d.prompts_per_batch, group_size=d.group_size,
+      max_prompt_len=d.max_prompt_len, seed=config.seed)))
+  print(f"RL prompt batch: prompt_tokens {rl['prompt_tokens'].shape}, "
+        f"group_ids {rl['group_ids'].tolist()}")
+  report["sft_batch"] = {"shape": list(batch["tokens"].shape), "fill": fill,
+                         "target_fraction": targets}
+  with open(os.path.join(workdir, "data_summary.json"), "w") as f:
+    json.dump(report, f, indent=2)
+
+
+STAGE_FNS: dict[str, Callable[[ml_collections.ConfigDict, str], None]] = {
+    "data": data_stage,
+}
+assert tuple(STAGE_FNS) == config_lib.STAGES
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Runs the config's stages in the canonical order."""
+  for name in config_lib.STAGES:
+    if name in config.stages:
+      STAGE_FNS[name](config, workdir)

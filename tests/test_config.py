@@ -1,0 +1,94 @@
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from bebop_jax import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_base_and_experiment_configs_validate():
+  config_lib.validate(config_lib.base_config())
+  for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
+    if name.endswith(".py") and not name.startswith("_"):
+      ns = {}
+      with open(os.path.join(REPO, "configs", name)) as f:
+        exec(compile(f.read(), name, "exec"), ns)  # pylint: disable=exec-used
+      config_lib.validate(ns["get_config"](None))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("data.batch_size", 0, "config.data.batch_size=0 is not allowed: must be a positive int"),
+    ("stages", ("data", "fly"), "config.stages=('data', 'fly') is not allowed"),
+    ("stages", (), "config.stages=() is not allowed"),
+    ("data.tasks.math.weight", -1.0, "config.data.tasks.math.weight=-1.0"),
+    ("data.packing", 1, "config.data.packing=1 is not allowed: must be True or False"),
+])
+def test_bad_values_name_key_value_and_what_is_allowed(key, value, message):
+  config = config_lib.base_config()
+  parent = config
+  *path, last = key.split(".")
+  for part in path:
+    parent = parent[part]
+  with parent.ignore_type():
+    parent[last] = value
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(config)
+  assert message in str(e.value)
+
+
+def test_unknown_key_in_a_config_file_is_an_error():
+  config = config_lib.base_config()
+  config.data.batch_sise = 3
+  with pytest.raises(config_lib.ConfigError, match=r"config.data.batch_sise is not a known "
+                     r"key; known keys under config.data.: .*batch_size"):
+    config_lib.validate(config)
+
+
+def test_unknown_or_bad_task_knob():
+  config = config_lib.base_config()
+  config.data.tasks.math.knobs.max_opperands = 3
+  with pytest.raises(config_lib.ConfigError, match="max_opperands is not a knob of task 'math'"
+                     ".*max_operands"):
+    config_lib.validate(config)
+  config = config_lib.base_config()
+  config.data.tasks.math.knobs.operators = "/"
+  with pytest.raises(config_lib.ConfigError, match="operators"):
+    config_lib.validate(config)
+
+
+def test_all_weights_zero_is_an_error():
+  config = config_lib.base_config()
+  for task in config.data.tasks.values():
+    task.weight = 0.0
+  with pytest.raises(config_lib.ConfigError, match="at least one task"):
+    config_lib.validate(config)
+
+
+def _main(*args, cwd):
+  return subprocess.run([sys.executable, "-m", "bebop_jax.main", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_cli_rejects_unknown_override_and_bad_value(tmp_path):
+  cfg = os.path.join(REPO, "configs", "data_tiny.py")
+  out = _main(f"--config={cfg}", "--config.data.bach_size=3", f"--workdir={tmp_path}",
+              cwd=REPO)
+  assert out.returncode != 0 and "bach_size" in out.stderr
+  out = _main(f"--config={cfg}", "--config.data.batch_size=-2", f"--workdir={tmp_path}",
+              cwd=REPO)
+  assert out.returncode != 0
+  assert "config.data.batch_size=-2 is not allowed: must be a positive int" in out.stderr
+
+
+def test_cli_runs_the_data_stage(tmp_path):
+  cfg = os.path.join(REPO, "configs", "data_tiny.py")
+  out = _main(f"--config={cfg}", f"--config.data.data_dir={tmp_path / 'data'}",
+              f"--workdir={tmp_path / 'run'}", cwd=REPO)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "reward(demonstration) = 1.00" in out.stdout
+  assert "SFT batch: tokens (4, 256)" in out.stdout
+  assert os.path.exists(tmp_path / "run" / "data_summary.json")
