@@ -1,0 +1,119 @@
+"""Pure functions of the decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, one block.
+
+Shapes: B batch, T query length, S key length (the cache length when decoding), H query heads,
+G = H / KV query heads per key/value head, D head width, E residual width (d_model), F MLP
+width. Parameters arrive as plain arrays (one layer's slice of the stacked parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from bebop_jax import sharding
+
+_MASK_VALUE = -1e30  # finite, so a fully masked row (padding) gives a uniform, not NaN
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis, computed in float32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding (rotate-half form) of x [B, T, H, D] at integer positions [B, T]."""
+  d = x.shape[-1]
+  freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)           # [D/2]
+  angle = positions.astype(jnp.float32)[..., None] * freq                  # [B, T, D/2]
+  sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention.
+
+  Args:
+    q: [B, T, H, D] queries. k, v: [B, S, KV, D]. mask: [B, T, S] bool, True = may attend.
+  Returns:
+    [B, T, H, D] in q's dtype; softmax in float32.
+  """
+  b, t, h, d = q.shape
+  kv = k.shape[2]
+  q = q.reshape(b, t, kv, h // kv, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (d ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, h, d)
+
+
+def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
+  """[B, T, T] mask: causal and within the same segment (segment 0 is padding)."""
+  t = segment_ids.shape[1]
+  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return causal[None] & same
+
+
+def cache_mask(query_positions: jax.Array, cache_len: int) -> jax.Array:
+  """[B, T, S] mask for queries at positions [B, T] over a cache of length S: key s <= pos."""
+  return jnp.arange(cache_len)[None, None, :] <= query_positions[:, :, None]
+
+
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """Writes new [B, T, ...] into cache [B, S, ...] at per-token positions [B, T].
+
+  Positions outside [0, S) are dropped (never clamped onto other entries).
+  """
+  rows = jnp.arange(cache.shape[0])[:, None]
+  return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
+          mask: jax.Array | None = None, kv_cache: tuple[jax.Array, jax.Array] | None = None,
+          rope_theta: float, eps: float, qk_norm: bool
+          ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+  """One pre-norm transformer block: x + Attn(norm x), then + SwiGLU(norm x).
+
+  Args:
+    p: one layer's parameters (see model.BLOCK_PARAMS), already in the compute dtype.
+    x: [B, T, E] residual stream.
+    positions: [B, T] absolute positions (RoPE; cache slots when decoding).
+    mask: [B, T, T] self-attention mask (teacher-forced mode, no cache).
+    kv_cache: (k, v) each [B, S, KV, D]: the new keys and values are written at `positions`
+      and the queries attend over the whole cache with a causal-by-position mask.
+  Returns:
+    (new x [B, T, E], updated (k, v) cache or None).
+  """
+  h = rms_norm(x, p["attn_norm"], eps)
+  q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
+  k = jnp.einsum("bte,ehd->bthd", h, p["wk"])
+  v = jnp.einsum("bte,ehd->bthd", h, p["wv"])
+  if qk_norm:
+    q = rms_norm(q, p["q_norm"], eps)
+    k = rms_norm(k, p["k_norm"], eps)
+  q = sharding.constrain(rope(q, positions, rope_theta), ("batch", "length", "heads", None))
+  k = rope(k, positions, rope_theta)
+  if kv_cache is None:
+    out = attention(q, k, v, mask)
+    new_cache = None
+  else:
+    cache_k = write_cache(kv_cache[0], k, positions)
+    cache_v = write_cache(kv_cache[1], v, positions)
+    out = attention(q, cache_k, cache_v, cache_mask(positions, cache_k.shape[1]))
+    new_cache = (cache_k, cache_v)
+  x = x + jnp.einsum("bthd,hde->bte", out, p["wo"])
+  x = sharding.constrain(x, ("batch", "length", "embed"))
+  h = rms_norm(x, p["mlp_norm"], eps)
+  gate = jnp.einsum("bte,ef->btf", h, p["w_gate"])
+  up = jnp.einsum("bte,ef->btf", h, p["w_up"])
+  hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+  x = x + jnp.einsum("btf,fe->bte", hidden, p["w_down"])
+  return sharding.constrain(x, ("batch", "length", "embed")), new_cache

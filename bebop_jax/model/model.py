@@ -1,0 +1,349 @@
+"""The policy: a Qwen3-style decoder with DeepSeek-V3-style MTP modules (DESIGN.md 3, 4).
+
+Flax NNX holds the parameters (every `nnx.Param` carries `logical_axes` for sharding); the
+math is in pure functions of arrays. Use it functionally: split once,
+
+    graphdef, state = nnx.split(Policy(cfg, rngs=nnx.Rngs(0)))
+
+then call jitted functions of `(state, inputs)` that `nnx.merge(graphdef, state)` inside.
+Block parameters are stacked along a leading axis (main: num_layers, MTP: num_mtp_modules)
+and the main model scans over its layers, so compile time does not grow with depth.
+
+Notation (0-based positions 0..T-1): the main model at i gives hidden h0_i and logits of
+p_i = P(x_{i+1} | x_{<=i}). MTP depth k = 1..K at position i:
+
+    u_i^k = W_m [RMSNorm_m(h_i^{k-1}); RMSNorm'_m(Emb(x_{i+k}))]    (m = min(k, M) - 1)
+    h_i^k = Block_m(u^k)_i                 (causal over positions <= i, its own KV cache)
+    q_i^k = Head(FinalNorm(h_i^k))         predicts x_{i+k+1}; target p_{i+k}
+
+valid iff i+k+1 < T and x_{i+k+1} is in the same (non-padding) segment as x_i.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bebop_jax import sharding
+from bebop_jax.model import layers
+from bebop_jax.model.config import ModelConfig
+
+# name -> (shape in terms of the config, logical axes). Leading stack axis added per use.
+def _block_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+  shapes = {
+      "attn_norm": ((c.d_model,), ("norm",)),
+      "wq": ((c.d_model, c.num_heads, c.head_dim), ("embed", "heads", "head_dim")),
+      "wk": ((c.d_model, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim")),
+      "wv": ((c.d_model, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim")),
+      "wo": ((c.num_heads, c.head_dim, c.d_model), ("heads", "head_dim", "embed")),
+      "mlp_norm": ((c.d_model,), ("norm",)),
+      "w_gate": ((c.d_model, c.mlp_dim), ("embed", "mlp")),
+      "w_up": ((c.d_model, c.mlp_dim), ("embed", "mlp")),
+      "w_down": ((c.mlp_dim, c.d_model), ("mlp", "embed")),
+  }
+  if c.qk_norm:
+    shapes["q_norm"] = ((c.head_dim,), ("head_dim",))
+    shapes["k_norm"] = ((c.head_dim,), ("head_dim",))
+  return shapes
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, *, std: float | None) -> nnx.Param:
+  """A Param of `shape`: ones when std is None (norm scales), else normal(0, std)."""
+  if std is None:
+    value = jnp.ones(shape, dtype)
+  else:
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class StackedBlocks(nnx.Module):
+  """`num` transformer blocks with parameters stacked on a leading axis."""
+
+  def __init__(self, c: ModelConfig, num: int, stack_axis: str, rngs: nnx.Rngs):
+    fan_in = {"wq": c.d_model, "wk": c.d_model, "wv": c.d_model,
+              "wo": c.num_heads * c.head_dim, "w_gate": c.d_model, "w_up": c.d_model,
+              "w_down": c.mlp_dim}
+    for name, (shape, axes) in _block_shapes(c).items():
+      std = fan_in[name] ** -0.5 if name in fan_in else None
+      setattr(self, name, _param(rngs, (num,) + shape, (stack_axis,) + axes,
+                                 c.weight_dtype, std=std))
+
+  def arrays(self, dtype) -> dict[str, jax.Array]:
+    """The stacked parameters as arrays in `dtype`."""
+    return {name: var[...].astype(dtype) for name, var in vars(self).items()
+            if isinstance(var, nnx.Param)}
+
+
+class MTPModules(nnx.Module):
+  """M MTP modules: input norms, the 2E -> E projection and one block each (stacked)."""
+
+  def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+    m = c.num_mtp_modules
+    self.hidden_norm = _param(rngs, (m, c.d_model), ("mtp", "norm"), c.weight_dtype, std=None)
+    self.embed_norm = _param(rngs, (m, c.d_model), ("mtp", "norm"), c.weight_dtype, std=None)
+    self.proj = _param(rngs, (m, 2 * c.d_model, c.d_model), ("mtp", None, "embed"),
+                       c.weight_dtype, std=(2 * c.d_model) ** -0.5)
+    self.blocks = StackedBlocks(c, m, "mtp", rngs)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of a stack of blocks: k, v [num_blocks, B, S, KV, D]."""
+  k: jax.Array
+  v: jax.Array
+
+  @property
+  def length(self) -> int:
+    return self.k.shape[2]
+
+
+@flax.struct.dataclass
+class Cache:
+  """Decoding caches: the main model's, and one per MTP depth (k = 1..K at index k-1)."""
+  main: KVCache
+  mtp: KVCache
+
+  @property
+  def length(self) -> int:
+    return self.main.length
+
+
+CACHE_AXES = ("cache_stack", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+class Policy(nnx.Module):
+  """Qwen3-style decoder with MTP modules. See the module docstring for the math."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = self.config = config
+    self.embed = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), c.weight_dtype,
+                        std=c.d_model ** -0.5)
+    self.layers = StackedBlocks(c, c.num_layers, "layers", rngs)
+    self.final_norm = _param(rngs, (c.d_model,), ("norm",), c.weight_dtype, std=None)
+    if not c.tie_embeddings:
+      self.head = _param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"), c.weight_dtype,
+                         std=c.d_model ** -0.5)
+    self.mtp = MTPModules(c, rngs)
+
+  # ---------------------------------------------------------------- shared pieces
+
+  def _block_kwargs(self) -> dict[str, Any]:
+    c = self.config
+    return dict(rope_theta=c.rope_theta, eps=c.norm_eps, qk_norm=c.qk_norm)
+
+  def _shared(self, stop_gradient: bool) -> dict[str, jax.Array]:
+    """Embedding, final norm and head as used by the MTP chain (detached if asked)."""
+    dt = self.config.compute_dtype
+    shared = {"embed": self.embed[...].astype(dt), "final_norm": self.final_norm[...]}
+    shared["head"] = (self.head[...].astype(dt) if not self.config.tie_embeddings
+                      else shared["embed"].T)
+    if stop_gradient:
+      shared = jax.tree.map(jax.lax.stop_gradient, shared)
+    return shared
+
+  def _embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    x = jnp.take(table, tokens, axis=0)
+    return sharding.constrain(x, ("batch", "length", "embed"))
+
+  def _logits(self, shared: dict[str, jax.Array], h: jax.Array) -> jax.Array:
+    """float32 logits [B, T, V] of hidden states h [B, T, E]."""
+    h = layers.rms_norm(h, shared["final_norm"], self.config.norm_eps)
+    logits = jnp.einsum("bte,ev->btv", h, shared["head"], preferred_element_type=jnp.float32)
+    return sharding.constrain(logits, ("batch", "length", "vocab"))
+
+  def _main_blocks(self, x, positions, *, mask=None, cache: KVCache | None = None):
+    params = self.layers.arrays(self.config.compute_dtype)
+    kw = self._block_kwargs()
+    if cache is None:
+      def body(x, p):
+        return layers.block(p, x, positions, mask=mask, **kw)[0], None
+      x, _ = jax.lax.scan(body, x, params)
+      return x, None
+
+    def body_cached(x, xs):
+      p, k, v = xs
+      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v), **kw)
+      return x, (k, v)
+    x, (k, v) = jax.lax.scan(body_cached, x, (params, cache.k, cache.v))
+    return x, KVCache(k=k, v=v)
+
+  def _mtp_input(self, module: int, h_prev: jax.Array, emb: jax.Array) -> jax.Array:
+    """u = W_m [RMSNorm(h_prev); RMSNorm(emb)]."""
+    c, dt = self.config, self.config.compute_dtype
+    hn = layers.rms_norm(h_prev, self.mtp.hidden_norm[module], c.norm_eps)
+    en = layers.rms_norm(emb, self.mtp.embed_norm[module], c.norm_eps)
+    u = jnp.einsum("bti,ie->bte", jnp.concatenate([hn, en], axis=-1),
+                   self.mtp.proj[module].astype(dt))
+    return sharding.constrain(u, ("batch", "length", "embed"))
+
+  def _mtp_block(self, module: int, u, positions, *, mask=None, kv_cache=None):
+    params = {n: a[module] for n, a in self.mtp.blocks.arrays(self.config.compute_dtype).items()}
+    return layers.block(params, u, positions, mask=mask, kv_cache=kv_cache,
+                        **self._block_kwargs())
+
+  # ---------------------------------------------------------------- teacher-forced
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, *, num_draft_steps: int | None = None,
+               mtp_stop_gradient: bool | None = None) -> dict[str, jax.Array]:
+    """Teacher-forced forward of the main model and the MTP chain.
+
+    Args:
+      tokens: [B, T] int.
+      positions: [B, T] positions (default arange; packed batches restart per segment).
+      segment_ids: [B, T] (default all ones); 0 marks padding.
+      num_draft_steps: K (default config.num_draft_steps); 0 skips the MTP chain.
+      mtp_stop_gradient: default config.mtp_stop_gradient.
+    Returns a dict:
+      logits [B, T, V] f32: p_i; hidden [B, T, E]: h0_i; mask [B, T] bool: p_i is valid;
+      mtp_logits [K, B, T, V] f32: q_i^k at index k-1; mtp_hidden [K, B, T, E];
+      mtp_mask [K, B, T] bool: q_i^k is valid.
+    """
+    c = self.config
+    b, t = tokens.shape
+    k_steps = c.num_draft_steps if num_draft_steps is None else num_draft_steps
+    stop = c.mtp_stop_gradient if mtp_stop_gradient is None else mtp_stop_gradient
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids is None:
+      segment_ids = jnp.ones((b, t), jnp.int32)
+    attn_mask = layers.causal_segment_mask(segment_ids)
+
+    shared = self._shared(stop_gradient=False)
+    h0, _ = self._main_blocks(self._embed(shared["embed"], tokens), positions, mask=attn_mask)
+    out = {"logits": self._logits(shared, h0), "hidden": h0,
+           "mask": shifted_valid(segment_ids, 1)}
+    if k_steps == 0:
+      return out
+
+    mtp_shared = self._shared(stop_gradient=stop)
+    h_prev = jax.lax.stop_gradient(h0) if stop else h0
+    mtp_logits, mtp_hidden, mtp_mask = [], [], []
+    for depth in range(1, k_steps + 1):
+      module = c.mtp_module_index(depth)
+      emb = self._embed(mtp_shared["embed"], shift_left(tokens, depth))
+      u = self._mtp_input(module, h_prev, emb)
+      h_prev, _ = self._mtp_block(module, u, positions, mask=attn_mask)
+      mtp_hidden.append(h_prev)
+      mtp_logits.append(self._logits(mtp_shared, h_prev))
+      mtp_mask.append(shifted_valid(segment_ids, depth + 1))
+    out.update(mtp_logits=jnp.stack(mtp_logits), mtp_hidden=jnp.stack(mtp_hidden),
+               mtp_mask=jnp.stack(mtp_mask))
+    return out
+
+  # ---------------------------------------------------------------- decoding
+
+  def init_cache(self, batch_size: int, cache_length: int) -> Cache:
+    """Zeroed caches for `batch_size` rows of up to `cache_length` positions."""
+    c = self.config
+    shape = lambda n: (n, batch_size, cache_length, c.num_kv_heads, c.head_dim)
+    zeros = lambda n: jnp.zeros(shape(n), c.compute_dtype)
+    return Cache(main=KVCache(k=zeros(c.num_layers), v=zeros(c.num_layers)),
+                 mtp=KVCache(k=zeros(c.num_draft_steps), v=zeros(c.num_draft_steps)))
+
+  def step(self, cache: Cache, tokens: jax.Array, start: jax.Array
+           ) -> tuple[jax.Array, jax.Array, Cache]:
+    """Main model on a chunk of C tokens per row at positions start[b] + 0..C-1.
+
+    Writes the main cache at those positions; entries past a row's committed frontier are
+    overwritten before anything attends to them (DESIGN.md 4).
+    Args:
+      tokens: [B, C] int. start: [B] int, first position of each row's chunk.
+    Returns:
+      (logits [B, C, V] f32, hidden h0 [B, C, E], cache).
+    """
+    _check_fits(tokens.shape[1], cache.length, "chunk")
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    shared = self._shared(stop_gradient=False)
+    h0, main = self._main_blocks(self._embed(shared["embed"], tokens), positions,
+                                 cache=cache.main)
+    return self._logits(shared, h0), h0, cache.replace(main=main)
+
+  def mtp_step(self, cache: Cache, depth: int, h_prev: jax.Array, tokens: jax.Array,
+               start: jax.Array) -> tuple[jax.Array, jax.Array, Cache]:
+    """MTP depth `depth` (1..K, static) over a window of W positions start[b] + 0..W-1.
+
+    Args:
+      h_prev: [B, W, E] hidden states of depth-1 (h0 for depth 1) at the window positions.
+      tokens: [B, W] the tokens x_{j+depth} for the window positions j.
+    Returns:
+      (draft logits [B, W, V] f32, hidden h^depth [B, W, E], cache with the depth's entries
+      at the window positions rewritten).
+    """
+    c = self.config
+    if not 1 <= depth <= c.num_draft_steps:
+      raise ValueError(f"depth={depth} is not allowed: must be in [1, {c.num_draft_steps}]")
+    _check_fits(tokens.shape[1], cache.length, "MTP window")
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    module = c.mtp_module_index(depth)
+    shared = self._shared(stop_gradient=False)
+    u = self._mtp_input(module, h_prev, self._embed(shared["embed"], tokens))
+    kv = (cache.mtp.k[depth - 1], cache.mtp.v[depth - 1])
+    h, (k, v) = self._mtp_block(module, u, positions, kv_cache=kv)
+    mtp = KVCache(k=cache.mtp.k.at[depth - 1].set(k), v=cache.mtp.v.at[depth - 1].set(v))
+    return self._logits(shared, h), h, cache.replace(mtp=mtp)
+
+  def prefill(self, cache: Cache, tokens: jax.Array
+              ) -> tuple[jax.Array, jax.Array, Cache]:
+    """Prefills right-padded prompts [B, P] at positions 0..P-1: main cache and every depth.
+
+    Depth k at position j needs x_{j+k}; past a row's prompt that token is not known yet, so
+    those entries hold padding until the first MTP window rewrites them (DESIGN.md 4).
+    Returns (logits [B, P, V] f32, hidden h0 [B, P, E], cache).
+    """
+    _check_fits(tokens.shape[1], cache.length, "prompt")
+    b = tokens.shape[0]
+    start = jnp.zeros((b,), jnp.int32)
+    logits, h0, cache = self.step(cache, tokens, start)
+    h_prev = h0
+    for depth in range(1, self.config.num_draft_steps + 1):
+      _, h_prev, cache = self.mtp_step(cache, depth, h_prev, shift_left(tokens, depth), start)
+    return logits, h0, cache
+
+
+def _check_fits(length: int, cache_length: int, what: str):
+  if length > cache_length:
+    raise ValueError(f"a {what} of {length} tokens does not fit the cache of "
+                     f"{cache_length} positions; use a longer cache_length")
+
+
+def shift_left(tokens: jax.Array, k: int, fill: int = 0) -> jax.Array:
+  """tokens[:, i + k] at i (fill past the end)."""
+  if k == 0:
+    return tokens
+  pad = jnp.full(tokens.shape[:-1] + (k,), fill, tokens.dtype)
+  return jnp.concatenate([tokens[..., k:], pad], axis=-1)[..., :tokens.shape[-1]]
+
+
+def shifted_valid(segment_ids: jax.Array, k: int) -> jax.Array:
+  """[B, T] bool: position i+k exists and is in i's (non-padding) segment."""
+  shifted = shift_left(segment_ids, k, fill=0)
+  return (segment_ids > 0) & (shifted == segment_ids)
+
+
+def cache_shardings(cache: Cache, mesh, rules) -> Cache:
+  """NamedShardings of a Cache (batch and kv heads sharded per the rules)."""
+  spec = lambda kv: jax.sharding.NamedSharding(
+      mesh, sharding.logical_to_spec(CACHE_AXES, rules, mesh, kv.k.shape))
+  main, mtp = spec(cache.main), spec(cache.mtp)
+  return Cache(main=KVCache(k=main, v=main), mtp=KVCache(k=mtp, v=mtp))
+
+
+def init(config: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, state) of a freshly initialised Policy."""
+  return nnx.split(Policy(config, rngs=nnx.Rngs(seed)))
+
+
+def abstract_state(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, state of ShapeDtypeStructs): nothing is materialised."""
+  model = nnx.eval_shape(lambda: Policy(config, rngs=nnx.Rngs(0)))
+  return nnx.split(model)
+
+
+def num_params(state: nnx.State) -> int:
+  """Number of parameters in an nnx state."""
+  return sum(int(x.size) for x in jax.tree.leaves(state.filter(nnx.Param)))

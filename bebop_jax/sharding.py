@@ -1,0 +1,155 @@
+"""Mesh construction, logical-axis rules, and the one helper that constrains activations.
+
+Parameters carry logical axis names (metadata `logical_axes` on every `nnx.Param`, e.g.
+("embed", "mlp")); activations name theirs at the call site (`constrain(x, ("batch",
+"length", "embed"))`). One rules table maps logical names to mesh axes, e.g.
+
+    (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"),
+     ("kv_heads", "tensor"), ("vocab", "tensor"))
+
+A logical name missing from the table is replicated. A mesh axis that does not divide the
+dimension is dropped for that dimension (a 2-head KV projection on a 4-way tensor axis is
+replicated rather than failing), so the tiny test models run on any mesh.
+
+`use_mesh(mesh, rules)` makes a mesh current for `constrain`; without one `constrain` is the
+identity, so the same model code runs unsharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Rules = Sequence[tuple[str, Any]]
+
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+)
+
+
+class MeshError(ValueError):
+  """The requested mesh does not fit the devices."""
+
+
+def make_mesh(shape: Sequence[int], axes: Sequence[str],
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A Mesh of `shape` over `devices` (default: all of `jax.devices()`).
+
+  Raises:
+    MeshError: if the number of axes and dimensions differ or the mesh size is not the device
+      count, naming both.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape, axes = tuple(int(s) for s in shape), tuple(axes)
+  if len(shape) != len(axes):
+    raise MeshError(f"mesh.shape={shape} has {len(shape)} dimensions but mesh.axes={axes} "
+                    f"names {len(axes)}")
+  if len(set(axes)) != len(axes):
+    raise MeshError(f"mesh.axes={axes} repeats an axis name")
+  if math.prod(shape) != len(devices):
+    raise MeshError(f"mesh.shape={shape} needs {math.prod(shape)} devices but "
+                    f"{len(devices)} are available ({devices[0].platform}); use a shape whose "
+                    f"product is {len(devices)}")
+  return Mesh(np.asarray(devices, dtype=object).reshape(shape), axes)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules,
+                    mesh: Mesh | jax.sharding.AbstractMesh,
+                    shape: Sequence[int] | None = None) -> PartitionSpec:
+  """PartitionSpec of an array with `logical_axes` under `rules` on `mesh`.
+
+  A mesh axis is used at most once per array (first dimension wins) and only where it divides
+  the dimension (when `shape` is given).
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for i, name in enumerate(logical_axes):
+    target = table.get(name) if name is not None else None
+    if target is None:
+      spec.append(None)
+      continue
+    candidates = (target,) if isinstance(target, str) else tuple(target)
+    chosen = []
+    size = 1
+    for axis in candidates:
+      if axis not in mesh.shape or axis in used:
+        continue
+      if shape is not None and shape[i] % (size * mesh.shape[axis]):
+        continue
+      chosen.append(axis)
+      size *= mesh.shape[axis]
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return PartitionSpec(*spec)
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
+  """NamedShardings for an nnx state (or abstract state): from each Param's `logical_axes`.
+
+  Raises:
+    ValueError: if a parameter has no `logical_axes` (every parameter must be annotated).
+  """
+  def one(path, var):
+    axes = var.get_metadata("logical_axes", None) if _is_variable(var) else None
+    value = var.value if _is_variable(var) else var
+    if axes is None:
+      if np.ndim(value) == 0 or not hasattr(value, "shape") or not value.shape:
+        axes = ()
+      else:
+        raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical_axes")
+    spec = logical_to_spec(axes, rules, mesh, value.shape)
+    sharding = NamedSharding(mesh, spec)
+    return var.replace(sharding) if _is_variable(var) else sharding
+
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+_CURRENT: list[tuple[Mesh, tuple]] = []
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+  """Makes `mesh` and `rules` current for `constrain` (None: unsharded)."""
+  _CURRENT.append((mesh, tuple(rules)))
+  try:
+    if mesh is None:
+      yield
+    else:
+      with jax.set_mesh(mesh):
+        yield
+  finally:
+    _CURRENT.pop()
+
+
+def current_mesh() -> Mesh | None:
+  return _CURRENT[-1][0] if _CURRENT else None
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Constrains an activation's sharding by its logical axes; identity with no mesh."""
+  if not _CURRENT or _CURRENT[-1][0] is None:
+    return x
+  mesh, rules = _CURRENT[-1]
+  spec = logical_to_spec(logical_axes, rules, mesh, x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def data_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
+  """Sharding of a batch-major input array: batch over the data axes, the rest replicated."""
+  return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
