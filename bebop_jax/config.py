@@ -7,14 +7,19 @@ value, and what is allowed. The schema grows with the stages; keep it small.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
 from typing import Any
 
 import ml_collections
 
+from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
+from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.model import config as model_config
 
-STAGES = ("data",)  # stages of bebop_jax.main, run in this order
+STAGES = ("data", "sft")  # stages of bebop_jax.main, run in this order
 
 
 class ConfigError(ValueError):
@@ -26,6 +31,25 @@ def task_knob_defaults(task_name: str) -> dict[str, Any]:
   cls = tasks_lib.task_class(task_name)
   return {name: p.default for name, p in inspect.signature(cls).parameters.items()
           if p.default is not inspect.Parameter.empty}
+
+
+def optim_defaults(**overrides: Any) -> ml_collections.ConfigDict:
+  """Optimizer settings of one training stage (bebop_jax.train.optimizer)."""
+  optim = ml_collections.ConfigDict(dict(
+      learning_rate=3e-3, warmup_steps=50, decay="cosine", end_lr_fraction=0.1,
+      weight_decay=0.01, b1=0.9, b2=0.95, clip_norm=1.0, trainable="all"))
+  optim.update(overrides)
+  return optim
+
+
+def loop_defaults(**overrides: Any) -> ml_collections.ConfigDict:
+  """Loop settings of one training stage (bebop_jax.train.trainer)."""
+  loop = ml_collections.ConfigDict(dict(
+      num_steps=1000, grad_accum_steps=1, log_every=20, eval_every=0, checkpoint_every=200,
+      keep_checkpoints=2, progress=True,
+      stop_at_step=0))  # > 0: checkpoint and stop there, as if preempted (rerun resumes)
+  loop.update(overrides)
+  return loop
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -52,8 +76,33 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.group_size = 4
   c.data.max_prompt_len = 128
 
+  # The policy (bebop_jax.model.config.ModelConfig fields); presets in model_config.PRESETS.
+  c.model = ml_collections.ConfigDict(dataclasses.asdict(model_config.preset("tiny")))
+
+  # Device mesh: one dimension may be -1 (all remaining devices); rules map logical axes of
+  # parameters and activations to mesh axes (bebop_jax.sharding).
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (-1,)
+  c.mesh.axes = ("data",)
+  c.mesh.rules = sharding.DEFAULT_RULES
+
   c.preview = ml_collections.ConfigDict()
   c.preview.examples_per_task = 2
+
+  # SFT stage (bebop_jax.train.sft).
+  c.sft = ml_collections.ConfigDict()
+  c.sft.optim = optim_defaults()
+  c.sft.train = loop_defaults()
+  c.sft.mtp_loss_weight = 0.3  # lambda of the joint MTP cross-entropy; 0 = off
+
+  # Evaluation by sampling: pass@1 per task at each temperature.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.num_examples = 64
+  c.eval.temperatures = (0.0, 1.0)
+  c.eval.batch_size = 32
+  c.eval.max_new_tokens = 160
+  c.eval.top_k = 0
+  c.eval.top_p = 1.0
   return c
 
 
@@ -124,5 +173,79 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if total_weight <= 0:
     _fail("data.tasks.*.weight", 0, "at least one task needs a positive weight")
 
+  try:
+    model = model_config.ModelConfig.from_dict(config.model.to_dict())
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from e
+  vocab = get_tokenizer().vocab_size
+  if model.vocab_size < vocab:
+    _fail("model.vocab_size", model.vocab_size, f"must be >= the tokenizer's {vocab}")
+
+  _validate_mesh(config.mesh)
+  _validate_training(config, "sft")
+  if not isinstance(config.sft.mtp_loss_weight, (int, float)) or config.sft.mtp_loss_weight < 0:
+    _fail("sft.mtp_loss_weight", config.sft.mtp_loss_weight, "must be a number >= 0")
+  for key in ("eval.num_examples", "eval.batch_size", "eval.max_new_tokens"):
+    _positive_int(config, key)
+  temps = config.eval.temperatures
+  if not temps or any(not isinstance(t, (int, float)) or t < 0 for t in temps):
+    _fail("eval.temperatures", temps, "must be a non-empty tuple of numbers >= 0")
+  if not isinstance(config.eval.top_k, int) or config.eval.top_k < 0:
+    _fail("eval.top_k", config.eval.top_k, "must be an int >= 0 (0 = off)")
+  if not 0 < config.eval.top_p <= 1:
+    _fail("eval.top_p", config.eval.top_p, "must be in (0, 1]")
   _positive_int(config, "preview.examples_per_task")
   return config
+
+
+def _validate_training(config: ml_collections.ConfigDict, stage: str) -> None:
+  """The optim and train sections of one training stage."""
+  from bebop_jax.train import optimizer  # pylint: disable=g-import-not-at-top
+  o = config[stage].optim
+  if not isinstance(o.learning_rate, (int, float)) or o.learning_rate <= 0:
+    _fail(f"{stage}.optim.learning_rate", o.learning_rate, "must be a number > 0")
+  if o.decay not in optimizer.DECAYS:
+    _fail(f"{stage}.optim.decay", o.decay, f"one of {optimizer.DECAYS}")
+  if o.trainable not in optimizer.TRAINABLE:
+    _fail(f"{stage}.optim.trainable", o.trainable, f"one of {optimizer.TRAINABLE}")
+  if not 0 <= o.end_lr_fraction <= 1:
+    _fail(f"{stage}.optim.end_lr_fraction", o.end_lr_fraction, "must be in [0, 1]")
+  if not isinstance(o.warmup_steps, int) or o.warmup_steps < 0:
+    _fail(f"{stage}.optim.warmup_steps", o.warmup_steps, "must be an int >= 0")
+  for key in ("num_steps", "grad_accum_steps", "log_every", "checkpoint_every",
+              "keep_checkpoints"):
+    _positive_int(config, f"{stage}.train.{key}")
+  t = config[stage].train
+  if not isinstance(t.stop_at_step, int) or t.stop_at_step < 0:
+    _fail(f"{stage}.train.stop_at_step", t.stop_at_step, "must be an int >= 0 (0 = off)")
+  if not isinstance(t.eval_every, int) or t.eval_every < 0:
+    _fail(f"{stage}.train.eval_every", t.eval_every, "must be an int >= 0 (0 = at the end)")
+  if config.data.batch_size % t.grad_accum_steps:
+    _fail(f"{stage}.train.grad_accum_steps", t.grad_accum_steps,
+          f"must divide data.batch_size={config.data.batch_size}")
+
+
+def _validate_mesh(mesh_cfg: ml_collections.ConfigDict) -> None:
+  """Shape against axes and the device count; rules against known mesh axes."""
+  import jax  # pylint: disable=g-import-not-at-top  # only here: config files stay light
+  shape, axes = tuple(mesh_cfg.shape), tuple(mesh_cfg.axes)
+  if len(shape) != len(axes) or len(set(axes)) != len(axes):
+    _fail("mesh.axes", axes, f"must name each of the {len(shape)} dimensions of "
+          f"mesh.shape={shape} once")
+  unknown = [a for a in axes if a not in sharding.MESH_AXES]
+  if unknown:
+    _fail("mesh.axes", axes, f"axis names must come from {sharding.MESH_AXES}")
+  if any(not isinstance(s, int) or (s < 1 and s != -1) for s in shape) or shape.count(-1) > 1:
+    _fail("mesh.shape", shape, "must hold positive ints and at most one -1")
+  try:
+    sharding.resolve_mesh_shape(shape, jax.device_count())
+  except sharding.MeshError as e:
+    raise ConfigError(f"config.mesh.shape={shape} is not allowed: {e}") from e
+  for rule in mesh_cfg.rules:
+    if len(rule) != 2 or not isinstance(rule[0], str):
+      _fail("mesh.rules", rule, "each rule must be (logical_axis, mesh_axis or tuple of them)")
+    targets = (rule[1],) if isinstance(rule[1], str) or rule[1] is None else tuple(rule[1])
+    for target in targets:
+      if target is not None and target not in sharding.MESH_AXES:
+        _fail("mesh.rules", rule, f"mesh axis {target!r} is not one of {sharding.MESH_AXES} "
+              "(rules may name axes the mesh lacks; those are ignored)")

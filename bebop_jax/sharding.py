@@ -28,6 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Sequence[tuple[str, Any]]
 
+# Mesh axis names the project knows: data parallel, fully-sharded data parallel, tensor.
+MESH_AXES = ("data", "fsdp", "tensor")
+
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
@@ -42,25 +45,44 @@ class MeshError(ValueError):
   """The requested mesh does not fit the devices."""
 
 
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  """`shape` with a -1 entry replaced so the product is `num_devices`.
+
+  Raises:
+    MeshError: if no such shape exists, naming the shape and the device count.
+  """
+  shape = tuple(int(s) for s in shape)
+  if shape.count(-1) > 1:
+    raise MeshError(f"mesh shape {shape} has more than one -1")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if known < 1 or num_devices % known:
+      raise MeshError(f"mesh shape {shape} cannot be completed for {num_devices} devices: "
+                      f"{num_devices} is not a multiple of {known}")
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    raise MeshError(f"mesh shape {shape} needs {math.prod(shape)} devices but "
+                    f"{num_devices} are available; use a shape whose product is "
+                    f"{num_devices} (or -1 for one dimension)")
+  return shape
+
+
 def make_mesh(shape: Sequence[int], axes: Sequence[str],
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A Mesh of `shape` over `devices` (default: all of `jax.devices()`).
+  """A Mesh of `shape` (one entry may be -1) over `devices` (default: `jax.devices()`).
 
   Raises:
     MeshError: if the number of axes and dimensions differ or the mesh size is not the device
       count, naming both.
   """
   devices = list(jax.devices() if devices is None else devices)
-  shape, axes = tuple(int(s) for s in shape), tuple(axes)
-  if len(shape) != len(axes):
-    raise MeshError(f"mesh.shape={shape} has {len(shape)} dimensions but mesh.axes={axes} "
-                    f"names {len(axes)}")
+  axes = tuple(axes)
+  if len(tuple(shape)) != len(axes):
+    raise MeshError(f"mesh.shape={tuple(shape)} has {len(tuple(shape))} dimensions but "
+                    f"mesh.axes={axes} names {len(axes)}")
   if len(set(axes)) != len(axes):
     raise MeshError(f"mesh.axes={axes} repeats an axis name")
-  if math.prod(shape) != len(devices):
-    raise MeshError(f"mesh.shape={shape} needs {math.prod(shape)} devices but "
-                    f"{len(devices)} are available ({devices[0].platform}); use a shape whose "
-                    f"product is {len(devices)}")
+  shape = resolve_mesh_shape(shape, len(devices))
   return Mesh(np.asarray(devices, dtype=object).reshape(shape), axes)
 
 

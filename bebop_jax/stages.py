@@ -52,8 +52,15 @@ def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     json.dump(report, f, indent=2)
 
 
+def sft_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Supervised fine-tuning of the policy (bebop_jax.train.sft)."""
+  from bebop_jax.train import sft  # pylint: disable=g-import-not-at-top
+  sft.run(config, workdir)
+
+
 STAGE_FNS: dict[str, Callable[[ml_collections.ConfigDict, str], None]] = {
     "data": data_stage,
+    "sft": sft_stage,
 }
 assert tuple(STAGE_FNS) == config_lib.STAGES
 

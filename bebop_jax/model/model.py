@@ -287,12 +287,13 @@ class Policy(nnx.Module):
     mtp = KVCache(k=cache.mtp.k.at[depth - 1].set(k), v=cache.mtp.v.at[depth - 1].set(v))
     return self._logits(shared, h), h, cache.replace(mtp=mtp)
 
-  def prefill(self, cache: Cache, tokens: jax.Array
+  def prefill(self, cache: Cache, tokens: jax.Array, *, mtp: bool = True
               ) -> tuple[jax.Array, jax.Array, Cache]:
     """Prefills right-padded prompts [B, P] at positions 0..P-1: main cache and every depth.
 
     Depth k at position j needs x_{j+k}; past a row's prompt that token is not known yet, so
     those entries hold padding until the first MTP window rewrites them (DESIGN.md 4).
+    With mtp=False only the main cache is filled (plain autoregressive decoding).
     Returns (logits [B, P, V] f32, hidden h0 [B, P, E], cache).
     """
     _check_fits(tokens.shape[1], cache.length, "prompt")
@@ -300,7 +301,7 @@ class Policy(nnx.Module):
     start = jnp.zeros((b,), jnp.int32)
     logits, h0, cache = self.step(cache, tokens, start)
     h_prev = h0
-    for depth in range(1, self.config.num_draft_steps + 1):
+    for depth in range(1, self.config.num_draft_steps + 1 if mtp else 1):
       _, h_prev, cache = self.mtp_step(cache, depth, h_prev, shift_left(tokens, depth), start)
     return logits, h0, cache
 

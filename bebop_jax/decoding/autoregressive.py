@@ -1,0 +1,97 @@
+"""Plain autoregressive generation: one target forward per token, a `lax.while_loop`.
+
+The baseline speculative decoding is measured against, and the sampler SFT evaluation uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bebop_jax.decoding import sampling
+
+
+@flax.struct.dataclass
+class GenerateOutput:
+  """Per row: tokens [B, N] (generated only, 0 after the end), lengths [B] (incl. the stop
+  token), logprobs [B, N] (sampling distribution), entropy [B, N] (raw policy, nats);
+  target_forwards: scalar count of target-model forward calls after the prefill."""
+  tokens: jax.Array
+  lengths: jax.Array
+  logprobs: jax.Array
+  entropy: jax.Array
+  target_forwards: jax.Array
+
+
+@flax.struct.dataclass
+class _LoopState:
+  step: jax.Array
+  rng: jax.Array
+  logits: jax.Array
+  cache: object
+  done: jax.Array
+  out: GenerateOutput
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, cache_length: int, extra: int = 0):
+  """Raises a clear error when prompt + generation (+ extra) cannot fit the cache."""
+  if prompt_len + max_new_tokens + extra > cache_length:
+    raise ValueError(
+        f"prompts of up to {prompt_len} tokens plus max_new_tokens={max_new_tokens}"
+        f"{f' plus {extra} lookahead' if extra else ''} need a cache of "
+        f"{prompt_len + max_new_tokens + extra} positions, but cache_length={cache_length}")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_length",
+                                             "params", "stop_tokens"))
+def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+             prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+             cache_length: int, params: sampling.SamplingParams,
+             stop_tokens: Sequence[int]) -> GenerateOutput:
+  """Samples up to `max_new_tokens` per row after right-padded prompts [B, P].
+
+  A row stops after emitting any of `stop_tokens`. Compiled once per (B, P) and settings.
+  """
+  b, p = prompt_tokens.shape
+  check_lengths(p, max_new_tokens, cache_length)
+  model = nnx.merge(graphdef, state)
+  cache = model.init_cache(b, cache_length)
+  logits, _, cache = model.prefill(cache, prompt_tokens, mtp=False)
+  rows = jnp.arange(b)
+  stop = jnp.asarray(stop_tokens, jnp.int32)
+  zeros = lambda dt: jnp.zeros((b, max_new_tokens), dt)
+  init = _LoopState(
+      step=jnp.int32(0), rng=rng, logits=logits[rows, prompt_lengths - 1], cache=cache,
+      done=jnp.zeros((b,), bool),
+      out=GenerateOutput(tokens=zeros(jnp.int32), lengths=jnp.zeros((b,), jnp.int32),
+                         logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
+                         target_forwards=jnp.int32(0)))
+
+  def cond(s: _LoopState):
+    return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s: _LoopState):
+    rng, key = jax.random.split(s.rng)
+    logp = sampling.sampling_logprobs(s.logits, params)
+    tok = sampling.sample(key, logp)
+    active = ~s.done
+    tok = jnp.where(active, tok, 0)
+    o = s.out
+    out = o.replace(
+        tokens=o.tokens.at[:, s.step].set(tok),
+        lengths=o.lengths + active,
+        logprobs=o.logprobs.at[:, s.step].set(jnp.where(active, logp[rows, tok], 0.0)),
+        entropy=o.entropy.at[:, s.step].set(
+            jnp.where(active, sampling.entropy(s.logits), 0.0)),
+        target_forwards=o.target_forwards + 1)
+    done = s.done | jnp.isin(tok, stop)
+    logits, _, cache = model.step(s.cache, tok[:, None], prompt_lengths + s.step)
+    return _LoopState(step=s.step + 1, rng=rng, logits=logits[:, 0], cache=cache, done=done,
+                      out=out)
+
+  return jax.lax.while_loop(cond, body, init).out

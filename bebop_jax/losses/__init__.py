@@ -1,0 +1,1 @@
+"""Training objectives: language-model cross-entropy (SFT) and MTP objectives."""

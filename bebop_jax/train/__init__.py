@@ -1,0 +1,1 @@
+"""Training: the train step and loop, optimizer, metrics, checkpoints."""

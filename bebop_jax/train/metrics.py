@@ -1,0 +1,91 @@
+"""Run metrics: metrics.jsonl in the workdir, TensorBoard event files, a progress bar.
+
+Each record is one JSON object per line: {"step": int, "stage": str, ...scalars}. On resume,
+`MetricsWriter(..., resume_step=s)` drops records past step s of the same stage, so the file
+never holds two histories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import tqdm
+from tensorboardX import SummaryWriter
+
+
+def _scalar(value: Any) -> float | int | str:
+  if isinstance(value, (str, int)):
+    return value
+  arr = np.asarray(value)
+  return arr.item() if arr.size == 1 else arr.tolist()
+
+
+class MetricsWriter:
+  """Writes metrics of one stage to `<workdir>/metrics.jsonl` and `<workdir>/tb/<stage>`."""
+
+  def __init__(self, workdir: str, stage: str, resume_step: int = 0):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.stage = stage
+    if os.path.exists(self.path):
+      self._truncate_after(resume_step)
+    self._tb = SummaryWriter(os.path.join(workdir, "tb", stage))
+
+  def _truncate_after(self, step: int):
+    with open(self.path) as f:
+      lines = f.readlines()
+    kept = []
+    for line in lines:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut by a crash
+      if record.get("stage") == self.stage and record.get("step", 0) > step:
+        continue
+      kept.append(json.dumps(record) + "\n")
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, self.path)
+
+  def write(self, step: int, metrics: Mapping[str, Any]):
+    record = {"stage": self.stage, "step": int(step), "time": time.time()}
+    record.update({k: _scalar(v) for k, v in metrics.items()})
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    for key, value in record.items():
+      if key not in ("stage", "step", "time") and isinstance(value, (int, float)):
+        self._tb.add_scalar(f"{self.stage}/{key}", value, step)
+
+  def close(self):
+    self._tb.close()
+
+
+def read_metrics(workdir: str, stage: str | None = None) -> list[dict[str, Any]]:
+  """All records of metrics.jsonl (of one stage when given)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return [r for r in records if stage is None or r.get("stage") == stage]
+
+
+class Progress:
+  """A tqdm bar over steps with the steady-state step rate and ETA; compile time apart."""
+
+  def __init__(self, total: int, initial: int, desc: str, disable: bool = False):
+    self.bar = tqdm.tqdm(total=total, initial=initial, desc=desc, unit="step",
+                         dynamic_ncols=True, disable=disable, mininterval=1.0)
+
+  def update(self, n: int = 1, **postfix: Any):
+    if postfix:
+      self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
+                            for k, v in postfix.items()}, refresh=False)
+    self.bar.update(n)
+
+  def close(self):
+    self.bar.close()

@@ -1,0 +1,159 @@
+"""SFT stage: train the policy on task demonstrations, evaluate by sampling, checkpoint.
+
+Loss on target tokens only (prompts and tool results masked, see data.pipeline), plus an
+optional joint MTP cross-entropy with weight `sft.mtp_loss_weight` (DeepSeek-V3 style) so the
+model leaves SFT with initialised MTP modules. Periodic evaluation: per-task pass@1 at each
+`eval.temperatures`, the agentic environment in the loop.
+
+Workdir layout: <workdir>/sft/checkpoints (orbax: parameters, optimizer, data iterator),
+<workdir>/sft/summary.json (written when the stage completes), metrics in
+<workdir>/metrics.jsonl and TensorBoard events under <workdir>/tb/sft. A rerun resumes from
+the latest checkpoint, or does nothing when summary.json says the stage is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+from absl import logging
+from flax import nnx
+
+from bebop_jax import evaluation
+from bebop_jax import sharding
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import pipeline
+from bebop_jax.decoding import sampling
+from bebop_jax.losses import lm
+from bebop_jax.model import model as policy_lib
+from bebop_jax.model.config import ModelConfig
+from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import flops as flops_lib
+from bebop_jax.train import optimizer as optimizer_lib
+from bebop_jax.train import trainer
+
+STAGE = "sft"
+
+
+def stage_dir(workdir: str) -> str:
+  return os.path.join(workdir, STAGE)
+
+
+def read_summary(workdir: str) -> dict[str, Any] | None:
+  """The completed stage's summary, or None if the stage has not completed."""
+  path = os.path.join(stage_dir(workdir), "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _write_json_atomic(path: str, obj: Any):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
+  """(TrainState -> {"<task>/t<T>": pass@1, "pass_at_1_mean": ...}) over held-out examples."""
+  d, e = config.data, config.eval
+  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
+  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
+  examples = {n: pipeline.eval_examples(d, n, e.num_examples) for n in names}
+
+  def eval_fn(state: trainer.TrainState) -> dict[str, float]:
+    params = nnx.merge_state(state.trainable, state.frozen)
+    fns = {t: evaluation.autoregressive_generate_fn(
+        graphdef, params, e.batch_size,
+        sampling.SamplingParams(temperature=t, top_k=e.top_k, top_p=e.top_p))
+           for t in e.temperatures}
+    start = time.perf_counter()
+    results = evaluation.evaluate_tasks(fns, examples, task_objs, seed=config.seed,
+                                        max_new_tokens=e.max_new_tokens)
+    results["pass_at_1_mean"] = sum(results.values()) / max(len(results), 1)
+    results["eval_s"] = time.perf_counter() - start
+    logging.info("eval: %s", results)
+    return results
+
+  return eval_fn
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs (or resumes, or skips when complete) SFT; returns the stage summary."""
+  done = read_summary(workdir)
+  if done is not None:
+    print(f"[sft] complete in {stage_dir(workdir)} (step {done['steps']}): skipping")
+    return done
+  os.makedirs(stage_dir(workdir), exist_ok=True)
+  s, d = config.sft, config.data
+  model_cfg = ModelConfig.from_dict(config.model.to_dict())
+  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  rules = tuple(tuple(r) for r in config.mesh.rules)
+  num_steps = s.train.num_steps
+
+  model = policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed))
+  graphdef, trainable, frozen = nnx.split(
+      model, optimizer_lib.trainable_filter(s.optim.trainable), ...)
+  tx, schedule = optimizer_lib.make_optimizer(s.optim, num_steps)
+  state = trainer.place_state(
+      trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
+
+  dataset = pipeline.sft_dataset(d, batch_size=d.batch_size, seq_len=d.seq_len,
+                                 packing=d.packing, seed=config.seed)
+  data_iter = iter(dataset)
+  checkpointer = checkpoint_lib.Checkpointer(
+      os.path.join(stage_dir(workdir), "checkpoints"), keep_last=s.train.keep_checkpoints,
+      best_metric="pass_at_1_mean")
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    restored = checkpointer.restore(latest, checkpoint_lib.abstract_like(
+        state.checkpoint_tree()), data_iterator=data_iter)
+    state = trainer.TrainState(restored["trainable"], state.frozen, restored["opt_state"],
+                               restored["step"])
+    print(f"[sft] resumed from step {latest}")
+
+  k_steps = model_cfg.num_draft_steps if s.mtp_loss_weight > 0 else 0
+
+  def loss_fn(model, batch):
+    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                num_draft_steps=k_steps)
+    return lm.sft_loss(out, batch["tokens"], batch["loss_mask"], s.mtp_loss_weight)
+
+  step_fn = trainer.make_train_step(graphdef, loss_fn, tx, schedule, s.train.grad_accum_steps)
+  example_batch = next(iter(dataset))
+  compiled = trainer.compile_train_step(step_fn, state, example_batch, mesh, rules, tx)
+  print(f"[sft] train step compiled in {compiled.compile_seconds:.1f}s; memory: "
+        f"{compiled.memory}")
+  flops_per_step = flops_lib.train_flops_per_step(model_cfg, d.batch_size, d.seq_len, k_steps)
+
+  with sharding.use_mesh(mesh, rules):
+    state, summary = trainer.train_loop(
+        stage=STAGE, workdir=workdir, state=state, compiled=compiled, batches=data_iter,
+        loop=trainer.LoopConfig(num_steps=num_steps, log_every=s.train.log_every,
+                                eval_every=s.train.eval_every,
+                                checkpoint_every=s.train.checkpoint_every,
+                                progress=s.train.progress,
+                                stop_at_step=s.train.stop_at_step),
+        checkpointer=checkpointer, data_iterator=data_iter,
+        batch_sh=trainer.batch_shardings(example_batch, mesh, rules),
+        eval_fn=make_eval_fn(config, graphdef), flops_per_step=flops_per_step)
+  checkpointer.close()
+  if not summary["complete"]:
+    print(f"[sft] stopped at step {summary['steps']} of {num_steps}; rerun to resume")
+    return summary
+  if not summary["eval"]:  # resumed after the final checkpoint: evaluate it
+    with sharding.use_mesh(mesh, rules):
+      summary["eval"] = make_eval_fn(config, graphdef)(state)
+  if summary["steady_step_time_s"]:
+    summary["model_flops_per_s"] = flops_per_step / summary["steady_step_time_s"]
+    summary["matmul_flops_per_s"] = flops_lib.matmul_flops_per_second()
+    summary["flops_utilization"] = summary["model_flops_per_s"] / summary["matmul_flops_per_s"]
+  summary["num_params"] = policy_lib.num_params(nnx.state(model))
+  _write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  print(f"[sft] done: {json.dumps(summary['eval'], sort_keys=True)}")
+  return summary
