@@ -181,7 +181,14 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if model.vocab_size < vocab:
     _fail("model.vocab_size", model.vocab_size, f"must be >= the tokenizer's {vocab}")
 
-  _validate_mesh(config.mesh)
+  mesh_sizes = _validate_mesh(config.mesh)
+  batch_axes = dict(config.mesh.rules).get("batch") or ()
+  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  data_parallel = math.prod(mesh_sizes.get(a, 1) for a in batch_axes)
+  if config.data.batch_size % data_parallel:
+    _fail("data.batch_size", config.data.batch_size,
+          f"must be a multiple of the data-parallel size {data_parallel} (mesh axes "
+          f"{batch_axes} of mesh {mesh_sizes})")
   _validate_training(config, "sft")
   if not isinstance(config.sft.mtp_loss_weight, (int, float)) or config.sft.mtp_loss_weight < 0:
     _fail("sft.mtp_loss_weight", config.sft.mtp_loss_weight, "must be a number >= 0")
@@ -225,7 +232,7 @@ def _validate_training(config: ml_collections.ConfigDict, stage: str) -> None:
           f"must divide data.batch_size={config.data.batch_size}")
 
 
-def _validate_mesh(mesh_cfg: ml_collections.ConfigDict) -> None:
+def _validate_mesh(mesh_cfg: ml_collections.ConfigDict) -> dict[str, int]:
   """Shape against axes and the device count; rules against known mesh axes."""
   import jax  # pylint: disable=g-import-not-at-top  # only here: config files stay light
   shape, axes = tuple(mesh_cfg.shape), tuple(mesh_cfg.axes)
@@ -238,9 +245,10 @@ def _validate_mesh(mesh_cfg: ml_collections.ConfigDict) -> None:
   if any(not isinstance(s, int) or (s < 1 and s != -1) for s in shape) or shape.count(-1) > 1:
     _fail("mesh.shape", shape, "must hold positive ints and at most one -1")
   try:
-    sharding.resolve_mesh_shape(shape, jax.device_count())
+    resolved = sharding.resolve_mesh_shape(shape, jax.device_count())
   except sharding.MeshError as e:
     raise ConfigError(f"config.mesh.shape={shape} is not allowed: {e}") from e
+  return dict(zip(axes, resolved))
   for rule in mesh_cfg.rules:
     if len(rule) != 2 or not isinstance(rule[0], str):
       _fail("mesh.rules", rule, "each rule must be (logical_axis, mesh_axis or tuple of them)")
