@@ -90,5 +90,50 @@ def test_cli_runs_the_data_stage(tmp_path):
               f"--workdir={tmp_path / 'run'}", cwd=REPO)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "reward(demonstration) = 1.00" in out.stdout
-  assert "SFT batch: tokens (4, 256)" in out.stdout
+  assert "SFT batch: tokens (8, 256)" in out.stdout
   assert os.path.exists(tmp_path / "run" / "data_summary.json")
+
+
+def test_mesh_that_does_not_match_the_devices_is_a_clear_error():
+  import jax  # pylint: disable=g-import-not-at-top
+  n = jax.device_count()
+  config = config_lib.base_config()
+  config.mesh.shape = (n + 1,)
+  with pytest.raises(config_lib.ConfigError, match=rf"config.mesh.shape=\({n + 1},\) is not "
+                     rf"allowed: .*needs {n + 1} devices but {n} are available"):
+    config_lib.validate(config)
+  config.mesh.shape, config.mesh.axes = (1, -1), ("data",)
+  with pytest.raises(config_lib.ConfigError, match="must name each of the 2 dimensions"):
+    config_lib.validate(config)
+  config.mesh.shape, config.mesh.axes = (-1,), ("dta",)
+  with pytest.raises(config_lib.ConfigError, match="axis names must come from"):
+    config_lib.validate(config)
+
+
+def test_batch_must_split_over_the_data_axes():
+  import jax  # pylint: disable=g-import-not-at-top
+  config = config_lib.base_config()
+  config.data.batch_size = jax.device_count() + 1
+  if jax.device_count() > 1:
+    with pytest.raises(config_lib.ConfigError, match="multiple of the data-parallel size"):
+      config_lib.validate(config)
+
+
+def test_bad_model_and_training_values():
+  config = config_lib.base_config()
+  config.model.num_kv_heads = 3
+  with pytest.raises(config_lib.ConfigError, match="config.model.num_kv_heads=3 is not allowed"):
+    config_lib.validate(config)
+  config = config_lib.base_config()
+  config.sft.optim.decay = "step"
+  with pytest.raises(config_lib.ConfigError, match=r"config.sft.optim.decay='step' is not "
+                     r"allowed: one of \('cosine', 'linear', 'constant'\)"):
+    config_lib.validate(config)
+  config = config_lib.base_config()
+  config.sft.optim.trainable = "head"
+  with pytest.raises(config_lib.ConfigError, match="trainable='head'"):
+    config_lib.validate(config)
+  config = config_lib.base_config()
+  config.eval.temperatures = (-1.0,)
+  with pytest.raises(config_lib.ConfigError, match="eval.temperatures"):
+    config_lib.validate(config)
