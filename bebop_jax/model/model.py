@@ -145,7 +145,15 @@ class Policy(nnx.Module):
       shared = jax.tree.map(jax.lax.stop_gradient, shared)
     return shared
 
-  def _embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+  def _embed(self, table: jax.Array, tokens: jax.Array, *, gather_table: bool = False
+             ) -> jax.Array:
+    if gather_table:
+      # Teacher-forced batches are large: all-gather the table's embed axis first (as FSDP
+      # does for every weight at use) so the lookup comes out sharded like its tokens. With
+      # the table split over fsdp the lookup runs on the whole batch and, when data and fsdp
+      # are both > 1, the partitioner replicates the full [B, T, E] on every device to reach
+      # the constraint below. Decoding chunks are small: gathering their token ids is cheaper.
+      table = sharding.constrain(table, ("vocab", None))
     x = jnp.take(table, tokens, axis=0)
     return sharding.constrain(x, ("batch", "length", "embed"))
 
@@ -214,7 +222,8 @@ class Policy(nnx.Module):
     attn_mask = layers.causal_segment_mask(segment_ids)
 
     shared = self._shared(stop_gradient=False)
-    h0, _ = self._main_blocks(self._embed(shared["embed"], tokens), positions, mask=attn_mask)
+    h0, _ = self._main_blocks(self._embed(shared["embed"], tokens, gather_table=True),
+                              positions, mask=attn_mask)
     out = {"logits": self._logits(shared, h0), "hidden": h0,
            "mask": shifted_valid(segment_ids, 1)}
     if k_steps == 0:
@@ -225,7 +234,7 @@ class Policy(nnx.Module):
     mtp_logits, mtp_hidden, mtp_mask = [], [], []
     for depth in range(1, k_steps + 1):
       module = c.mtp_module_index(depth)
-      emb = self._embed(mtp_shared["embed"], shift_left(tokens, depth))
+      emb = self._embed(mtp_shared["embed"], shift_left(tokens, depth), gather_table=True)
       u = self._mtp_input(module, h_prev, emb)
       h_prev, _ = self._mtp_block(module, u, positions, mask=attn_mask)
       mtp_hidden.append(h_prev)

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from absl import logging
 from flax import nnx
@@ -81,6 +82,25 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
     return results
 
   return eval_fn
+
+
+def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
+                ) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, parameters) of the SFT policy saved in `workdir` (latest step by default),
+  on the default device."""
+  model_cfg = ModelConfig.from_dict(config.model.to_dict())
+  model = nnx.eval_shape(lambda: policy_lib.Policy(model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, trainable, frozen = nnx.split(
+      model, optimizer_lib.trainable_filter(config.sft.optim.trainable), ...)
+  tx, _ = optimizer_lib.make_optimizer(config.sft.optim, config.sft.train.num_steps)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = checkpoint_lib.abstract_like(
+      {"trainable": trainable, "opt_state": jax.eval_shape(tx.init, trainable),
+       "step": jax.ShapeDtypeStruct((), jnp.int32)}, device)
+  with checkpoint_lib.Checkpointer(os.path.join(stage_dir(workdir), "checkpoints")) as ckpt:
+    restored = ckpt.restore(step, abstract)
+  params = jax.device_put(frozen, device) if len(frozen) else frozen
+  return graphdef, nnx.merge_state(restored["trainable"], params)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
