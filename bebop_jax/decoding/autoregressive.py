@@ -66,7 +66,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
   stop = jnp.asarray(stop_tokens, jnp.int32)
   zeros = lambda dt: jnp.zeros((b, max_new_tokens), dt)
   init = _LoopState(
-      step=jnp.int32(0), rng=rng, logits=logits[rows, prompt_lengths - 1], cache=cache,
+      step=jnp.int32(0), rng=sampling.row_keys(rng, b), logits=logits[rows, prompt_lengths - 1], cache=cache,
       done=jnp.zeros((b,), bool),
       out=GenerateOutput(tokens=zeros(jnp.int32), lengths=jnp.zeros((b,), jnp.int32),
                          logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
@@ -76,7 +76,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
   def body(s: _LoopState):
-    rng, key = jax.random.split(s.rng)
+    rng, key = sampling.split_rows(s.rng, 2)
     logp = sampling.sampling_logprobs(s.logits, params)
     tok = sampling.sample(key, logp)
     active = ~s.done

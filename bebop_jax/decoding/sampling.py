@@ -60,6 +60,18 @@ def entropy(logits: jax.Array) -> jax.Array:
   return -jnp.sum(jnp.exp(logp) * jnp.where(jnp.isfinite(logp), logp, 0.0), axis=-1)
 
 
-def sample(rng: jax.Array, logprobs: jax.Array) -> jax.Array:
-  """One token per row from log-probabilities [..., V]."""
-  return jax.random.categorical(rng, logprobs, axis=-1).astype(jnp.int32)
+def sample(keys: jax.Array, logprobs: jax.Array) -> jax.Array:
+  """One token per row from log-probabilities [B, V] with one key per row (so a row's sample
+  does not depend on the batch it is in)."""
+  return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys, logprobs).astype(
+      jnp.int32)
+
+
+def row_keys(rng: jax.Array, batch: int) -> jax.Array:
+  """Per-row keys [B] derived from one key by row index (independent of the batch size)."""
+  return jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(batch))
+
+
+def split_rows(keys: jax.Array, num: int) -> jax.Array:
+  """[num, B] fresh keys from per-row keys [B]."""
+  return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, num))(keys), 0, 1)

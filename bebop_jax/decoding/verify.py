@@ -28,10 +28,11 @@ MODES = ("rejection", "greedy_draft", "strict", "exact")
 _TINY = 1e-30
 
 
-def _categorical(rng: jax.Array, probs: jax.Array) -> jax.Array:
-  """One sample per row of unnormalised non-negative weights [..., V]."""
+def _categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
+  """One sample per row of unnormalised non-negative weights [B, V], one key per row."""
   logits = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, _TINY)), -jnp.inf)
-  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+  return jax.vmap(lambda key, l: jax.random.categorical(key, l))(keys, logits).astype(
+      jnp.int32)
 
 
 def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
@@ -69,7 +70,11 @@ def residual_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs
 
 def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
            target_probs: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
-  """(num_accepted [B], next_token [B]); see the module docstring."""
+  """(num_accepted [B], next_token [B]); see the module docstring.
+
+  `rng` is one key, or B keys (one per row: then a row's result depends on its own key and
+  inputs only, whatever the rest of the batch holds).
+  """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
   b, k = draft_tokens.shape
@@ -82,8 +87,10 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
   if mode == "greedy_draft":
     draft_tokens = jnp.argmax(draft_probs, axis=-1).astype(jnp.int32)
   draft_tokens = draft_tokens.astype(jnp.int32)
-  accept_rng, sample_rng = jax.random.split(rng)
-  accept = jax.random.uniform(accept_rng, (b, k)) < acceptance_probs(
+  keys = jax.random.split(rng, b) if rng.ndim == 0 else rng
+  pair = jax.vmap(lambda key: jax.random.split(key))(keys)
+  uniforms = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(pair[:, 0])
+  accept = uniforms < acceptance_probs(
       draft_tokens, draft_probs, target_probs, mode)
   num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
   # Row a of [residuals..., bonus] is the distribution of the token after a accepted drafts.
@@ -92,7 +99,7 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
        target_probs[:, k:] if mode != "exact" else jax.nn.one_hot(
            jnp.argmax(target_probs[:, k:], -1), target_probs.shape[-1])], axis=1)
   chosen = jnp.take_along_axis(after, num_accepted[:, None, None], axis=1)[:, 0]
-  return num_accepted.astype(jnp.int32), _categorical(sample_rng, chosen)
+  return num_accepted.astype(jnp.int32), _categorical(pair[:, 1], chosen)
 
 
 def expected_accepted(alphas: jax.Array) -> jax.Array:

@@ -1,0 +1,87 @@
+"""Speculative generation with MTP drafts on the tiny model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bebop_jax.decoding import autoregressive, sampling, speculative
+from bebop_jax.model import config as model_config
+from bebop_jax.model import model as policy_lib
+
+GRAPHDEF, STATE = policy_lib.init(model_config.preset("tiny"), seed=3)
+STOP = (2,)
+
+
+def _prompts(b=3, p=12, seed=0):
+  rng = np.random.default_rng(seed)
+  lengths = np.array([5, 12, 8, 3, 10, 7][:b], np.int32)
+  tokens = rng.integers(3, 100, (b, p)).astype(np.int32)
+  tokens[np.arange(p)[None] >= lengths[:, None]] = 0
+  return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def _spec(tokens, lengths, *, mode, temperature, seed=0, max_new=24):
+  return speculative.generate(
+      GRAPHDEF, STATE, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
+      cache_length=64, params=sampling.SamplingParams(temperature), mode=mode,
+      stop_tokens=STOP)
+
+
+def test_temperature_zero_equals_greedy_autoregressive():
+  tokens, lengths = _prompts()
+  ar = autoregressive.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(0),
+                               max_new_tokens=24, cache_length=64,
+                               params=sampling.SamplingParams(0.0), stop_tokens=STOP)
+  sp = _spec(tokens, lengths, mode="exact", temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(sp.lengths), np.asarray(ar.lengths))
+  np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
+  # The random model's drafts are mostly wrong, so this exercised rejections.
+  acc = np.asarray(sp.accepted).sum() / max(np.asarray(sp.attempted).sum(), 1)
+  assert acc < 0.9
+  assert int(sp.target_forwards) < 24
+
+
+@pytest.mark.parametrize("mode", ["rejection", "greedy_draft", "strict"])
+def test_a_row_does_not_depend_on_the_other_rows(mode):
+  tokens, lengths = _prompts(b=4, seed=1)
+  other_tokens, other_lengths = _prompts(b=4, seed=2)
+  other_tokens = other_tokens.at[0].set(tokens[0])
+  other_lengths = other_lengths.at[0].set(lengths[0])
+  a = _spec(tokens, lengths, mode=mode, temperature=1.0, seed=7)
+  b = _spec(other_tokens, other_lengths, mode=mode, temperature=1.0, seed=7)
+  for field in ("tokens", "lengths", "attempted", "accepted"):
+    np.testing.assert_array_equal(np.asarray(getattr(a, field))[0],
+                                  np.asarray(getattr(b, field))[0])
+  assert not np.array_equal(np.asarray(a.tokens)[1:], np.asarray(b.tokens)[1:])
+
+
+def test_outputs_are_consistent_and_loop_compiles_once():
+  tokens, lengths = _prompts()
+  out = _spec(tokens, lengths, mode="rejection", temperature=1.0, seed=1)
+  size = speculative.generate._cache_size()  # pylint: disable=protected-access
+  for seed in (2, 3):
+    out = _spec(tokens + seed, lengths, mode="rejection", temperature=1.0, seed=seed)
+  assert speculative.generate._cache_size() == size  # pylint: disable=protected-access
+  n = np.asarray(out.lengths)
+  toks = np.asarray(out.tokens)
+  assert ((n >= 1) & (n <= 24)).all()
+  for row in range(3):
+    assert (toks[row, n[row]:] == 0).all()
+    stops = np.isin(toks[row, :n[row]], STOP)
+    assert not stops[:-1].any()  # a stop token can only be the last
+    assert n[row] == 24 or stops[-1]
+  logp = np.asarray(out.logprobs)
+  assert (logp[np.arange(24)[None] < n[:, None]] <= 0).all()
+  att, acc = np.asarray(out.attempted), np.asarray(out.accepted)
+  assert (acc <= att).all() and (att[:, 1:] <= att[:, :1]).all()
+  # Every iteration emits accepted + 1 tokens (until the end): tokens = 1 + forwards + accepted.
+  assert n.sum() <= 3 + 3 * int(out.target_forwards) + acc[:, 0].sum() + acc[:, 1:].sum()
+
+
+def test_mismatched_mode_and_temperature_is_a_clear_error():
+  tokens, lengths = _prompts()
+  with pytest.raises(ValueError, match="temperature 0 needs mode='exact'"):
+    _spec(tokens, lengths, mode="rejection", temperature=0.0)
+  with pytest.raises(ValueError, match="need a cache of"):
+    _spec(tokens, lengths, mode="rejection", temperature=1.0, max_new=60)
