@@ -85,3 +85,63 @@ def test_mismatched_mode_and_temperature_is_a_clear_error():
     _spec(tokens, lengths, mode="rejection", temperature=0.0)
   with pytest.raises(ValueError, match="need a cache of"):
     _spec(tokens, lengths, mode="rejection", temperature=1.0, max_new=60)
+
+
+@pytest.fixture(scope="module")
+def partly_trained():
+  """The tiny model after 80 steps on noisy cyclic sequences: drafts partly right."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.losses import lm  # pylint: disable=g-import-not-at-top
+  from bebop_jax.train import optimizer, trainer  # pylint: disable=g-import-not-at-top
+  model = policy_lib.Policy(model_config.preset("tiny"), rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  tx, schedule = optimizer.make_optimizer(
+      config_lib.optim_defaults(learning_rate=1e-2, warmup_steps=5), 80)
+
+  def loss_fn(m, batch):
+    out = m(batch, num_draft_steps=3)
+    return lm.sft_loss(out, batch, jnp.ones_like(batch), 1.0)
+
+  step = jax.jit(trainer.make_train_step(graphdef, loss_fn, tx, schedule),
+                 donate_argnums=(0, 2))
+  rng = np.random.default_rng(0)
+  opt_state, frozen = tx.init(params), nnx.State({})
+  for i in range(80):
+    start = rng.integers(0, 7, (32, 1))
+    seq = 3 + (start + np.arange(32)[None]) % 7
+    noise = rng.random((32, 32)) < 0.25
+    seq = np.where(noise, rng.integers(3, 12, (32, 32)), seq).astype(np.int32)
+    params, opt_state, _, metrics = step(params, frozen, opt_state, jnp.int32(i), seq)
+  return graphdef, params
+
+
+@pytest.mark.parametrize("mode", ["rejection", "greedy_draft"])
+def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mode):
+  from bebop_jax.decoding import diagnostics  # pylint: disable=g-import-not-at-top
+  graphdef, params_state = partly_trained
+  b = 32
+  rng = np.random.default_rng(5)
+  lengths = jnp.asarray(rng.integers(3, 9, b).astype(np.int32))
+  tokens = jnp.asarray(np.where(np.arange(8)[None] < np.asarray(lengths)[:, None],
+                                3 + (rng.integers(0, 7, (b, 1)) + np.arange(8)[None]) % 7,
+                                0).astype(np.int32))
+  params = sampling.SamplingParams(1.0)
+  out = speculative.generate(graphdef, params_state, tokens, lengths, jax.random.key(11),
+                             max_new_tokens=48, cache_length=64, params=params, mode=mode,
+                             stop_tokens=())
+  attempted = np.asarray(out.attempted).sum(0)
+  online = np.asarray(out.accepted).sum(0) / attempted
+  seq, gen = diagnostics.sequences_from_generation(tokens, lengths, out.tokens, out.lengths)
+  tf = diagnostics.teacher_forced_acceptance(graphdef, params_state, seq, gen,
+                                             out.frontier_depths, params=params, mode=mode)
+  np.testing.assert_array_equal(np.asarray(tf["visits"]), attempted)
+  expected = np.asarray(tf["alpha_at_frontiers"])
+  assert (0.2 < expected).all() and (expected < 0.95).all()  # partly right drafts
+  # Online accepted counts against their exact expectation, within 4 standard deviations.
+  accepted = np.asarray(out.accepted).sum(0)
+  sd = np.sqrt(np.asarray(tf["accepted_variance"]))
+  assert (np.abs(accepted - np.asarray(tf["expected_accepted"])) < 4 * sd + 1).all(), (
+      online, expected, attempted)
+  # The position-weighted training metric is close to the online rate, not equal.
+  assert (np.abs(online - np.asarray(tf["alpha"])) < 0.2).all()

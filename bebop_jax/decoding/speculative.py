@@ -36,14 +36,16 @@ class SpeculativeOutput:
   """Per row: tokens [B, N] (generated, 0 after the end), lengths [B] (incl. the stop token),
   logprobs [B, N] (target sampling distribution), entropy [B, N] (raw target, nats),
   attempted / accepted [B, K] (drafts at depth k verified / accepted; depth k is attempted
-  when depths < k were accepted); per call: target_forwards (verification forwards after the
-  prefill), steps (loop iterations)."""
+  when depths < k were accepted), frontier_depths [B, P + N] (at each position n where a
+  draft phase ran: how many depths were verified there, for the self-consistency diagnostic);
+  per call: target_forwards (verification forwards after the prefill)."""
   tokens: jax.Array
   lengths: jax.Array
   logprobs: jax.Array
   entropy: jax.Array
   attempted: jax.Array
   accepted: jax.Array
+  frontier_depths: jax.Array
   target_forwards: jax.Array
 
 
@@ -106,6 +108,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
       logprobs=zeros(jnp.float32).at[:, 0].set(logp[rows, first]),
       entropy=zeros(jnp.float32).at[:, 0].set(sampling.entropy(last)),
       attempted=jnp.zeros((b, k), jnp.int32), accepted=jnp.zeros((b, k), jnp.int32),
+      frontier_depths=jnp.zeros((b, p + max_new_tokens), jnp.int32),
       target_forwards=jnp.int32(0))
   done = jnp.isin(first, stop) | (max_new_tokens <= 1)
   init = _State(rng=rng, cache=cache, seq=seq, hidden=hidden, frontier=frontier, done=done,
@@ -169,6 +172,8 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
         lengths=o.lengths + count,
         attempted=o.attempted + (active[:, None] & (depth_idx <= num_acc[:, None])),
         accepted=o.accepted + (active[:, None] & (depth_idx < num_acc[:, None])),
+        frontier_depths=o.frontier_depths.at[rows, jnp.where(active, n, buf_len)].set(
+            jnp.minimum(num_acc + 1, k), mode="drop"),
         target_forwards=o.target_forwards + 1)
     # Committed tokens by position (only the emitted ones; drafts past them are scratch).
     positions = jnp.where(valid, n[:, None] + 2 + idx, buf_len)

@@ -1,0 +1,92 @@
+"""Self-consistency diagnostic: teacher-forced per-depth acceptance over generated sequences.
+
+One training-style forward over (prompt + generated) sequences gives, at every position i,
+the draft q_i^k of every depth and the target p_{i+k} it is scored against, both transformed
+like in decoding; alpha_k(i) is the mode's per-draft acceptance. When depth k was verified at
+frontier n online, its drafts d_1..d_{k-1} had been accepted, so they are the committed
+tokens and alpha_k(n) is exactly that draft's acceptance probability: the expected online
+accepted count at depth k is sum over the visits that verified depth k of alpha_k(n). A
+mismatch beyond sampling error means a cache or hidden-state bug.
+
+Without the visited frontiers, `alpha` weights every generated position by the probability
+of reaching depth k (prod_{j<k} alpha_j): the training-time metric, close to but not the
+same as the online rate (online frontiers follow rejections).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bebop_jax.decoding import sampling
+from bebop_jax.decoding import verify as verify_lib
+from bebop_jax.model.model import shift_left
+
+
+def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                              tokens: jax.Array, lengths: jax.Array
+                              ) -> tuple[jax.Array, jax.Array]:
+  """(sequences [B, P+N] = prompt then generated tokens, generated mask [B, P+N])."""
+  b, p = prompt_tokens.shape
+  n = tokens.shape[1]
+  pos = jnp.arange(p + n)[None, :]
+  rows = jnp.arange(b)[:, None]
+  seq = jnp.where(pos < prompt_lengths[:, None], jnp.pad(prompt_tokens, ((0, 0), (0, n))), 0)
+  gen_pos = prompt_lengths[:, None] + jnp.arange(n)[None, :]
+  seq = seq.at[rows, gen_pos].set(tokens, mode="drop")
+  generated = (pos >= prompt_lengths[:, None]) & (pos < (prompt_lengths + lengths)[:, None])
+  return seq, generated
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "mode"))
+def teacher_forced_acceptance(graphdef: nnx.GraphDef, state: nnx.State, sequences: jax.Array,
+                              generated: jax.Array, frontier_depths: jax.Array | None = None,
+                              *, params: sampling.SamplingParams,
+                              mode: str) -> dict[str, jax.Array]:
+  """Per-depth acceptance expected online, from one teacher-forced forward.
+
+  Args:
+    sequences: [B, T] prompt + generated tokens (0 after the end).
+    generated: [B, T] True at generated positions.
+    frontier_depths: [B, T] optional, from SpeculativeOutput (padded to T): depths verified
+      at each visited frontier.
+  Returns:
+    {"alpha": [K] acceptance weighted by the probability of reaching each depth,
+     "alpha_unweighted": [K] plain mean over positions, "positions": [K] counts}.
+    Position i (a frontier candidate: i+1 generated) counts for depth k when i+k+1 is still
+    in the sequence.
+  """
+  model = nnx.merge(graphdef, state)
+  valid_tokens = (sequences > 0) | generated
+  segment_ids = valid_tokens.astype(jnp.int32)
+  out = model(sequences, segment_ids=segment_ids)
+  target = jnp.exp(sampling.sampling_logprobs(out["logits"], params))        # p_i
+  k_steps = out["mtp_logits"].shape[0]
+  alphas = []
+  for k in range(1, k_steps + 1):
+    q = jnp.exp(sampling.sampling_logprobs(out["mtp_logits"][k - 1], params))   # q_i^k
+    p_shift = jnp.concatenate([target[:, k:], jnp.zeros_like(target[:, :k])], axis=1)
+    alphas.append(verify_lib.per_draft_acceptance(q, p_shift, mode))
+  alphas = jnp.stack(alphas)                                              # [K, B, T]
+  # i is a frontier candidate when x_{i+1} is generated; depth k needs x_{i+k+1} generated.
+  masks = jnp.stack([shift_left(generated, k + 1) & shift_left(generated, 1)
+                     for k in range(1, k_steps + 1)]) & out["mtp_mask"]
+  reach = jnp.concatenate([jnp.ones_like(alphas[:1]), jnp.cumprod(alphas, axis=0)[:-1]])
+  w = reach * masks
+  m = masks.astype(jnp.float32)
+  result = {}
+  if frontier_depths is not None:
+    depth_ids = jnp.arange(1, k_steps + 1)[:, None, None]
+    visited = (frontier_depths[None] >= depth_ids).astype(jnp.float32)   # [K, B, T]
+    result["visits"] = jnp.sum(visited, axis=(1, 2))
+    result["expected_accepted"] = jnp.sum(visited * alphas, axis=(1, 2))
+    result["accepted_variance"] = jnp.sum(visited * alphas * (1 - alphas), axis=(1, 2))
+    result["alpha_at_frontiers"] = result["expected_accepted"] / jnp.maximum(
+        result["visits"], 1.0)
+  return result | {"alpha": jnp.sum(w * alphas, axis=(1, 2)) / jnp.maximum(jnp.sum(w, axis=(1, 2)), 1e-9),
+          "alpha_unweighted": jnp.sum(m * alphas, axis=(1, 2)) / jnp.maximum(
+              jnp.sum(m, axis=(1, 2)), 1.0),
+          "positions": jnp.sum(masks, axis=(1, 2))}
