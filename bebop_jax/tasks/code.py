@@ -110,7 +110,7 @@ class CodeTask(base.Task):
       all equal), the rest need only run.
   """
   min_stages: int = 1
-  max_stages: int = 2
+  max_stages: int = 1
   num_shown: int = 3
   num_held_out: int = 5
   min_len: int = 3

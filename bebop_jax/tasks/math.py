@@ -30,8 +30,8 @@ class MathTask(base.Task):
     paren_prob: probability of wrapping each composite sub-expression in parentheses.
   """
   min_operands: int = 2
-  max_operands: int = 4
-  max_value: int = 9
+  max_operands: int = 3
+  max_value: int = 6
   operators: str = "+-*"
   paren_prob: float = 0.4
 
