@@ -76,6 +76,19 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
   return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
 
 
+def dense(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+  """x [..., I] times w [I, ...] as one 2-D matmul, reshaped to [..., *w.shape[1:]]
+  (kwargs go to jnp.matmul, e.g. preferred_element_type).
+
+  Flattening the leading axes matters on CPU: XLA lowers the backward of a 3-D einsum such
+  as 'bte,ef->btf' to transposes fused with the surrounding elementwise ops, about 3x slower
+  than the same product on [B*T, I] (measured on the SwiGLU MLP).
+  """
+  lead = x.shape[:-1]
+  y = jnp.matmul(x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1), **kwargs)
+  return y.reshape(lead + w.shape[1:])
+
+
 def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
           mask: jax.Array | None = None, kv_cache: tuple[jax.Array, jax.Array] | None = None,
           rope_theta: float, eps: float, qk_norm: bool
@@ -93,9 +106,9 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
     (new x [B, T, E], updated (k, v) cache or None).
   """
   h = rms_norm(x, p["attn_norm"], eps)
-  q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
-  k = jnp.einsum("bte,ehd->bthd", h, p["wk"])
-  v = jnp.einsum("bte,ehd->bthd", h, p["wv"])
+  q = dense(h, p["wq"])
+  k = dense(h, p["wk"])
+  v = dense(h, p["wv"])
   if qk_norm:
     q = rms_norm(q, p["q_norm"], eps)
     k = rms_norm(k, p["k_norm"], eps)
@@ -109,11 +122,11 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
     cache_v = write_cache(kv_cache[1], v, positions)
     out = attention(q, cache_k, cache_v, cache_mask(positions, cache_k.shape[1]))
     new_cache = (cache_k, cache_v)
-  x = x + jnp.einsum("bthd,hde->bte", out, p["wo"])
+  b, t, heads, d = out.shape
+  x = x + dense(out.reshape(b, t, heads * d), p["wo"].reshape(heads * d, -1))
   x = sharding.constrain(x, ("batch", "length", "embed"))
   h = rms_norm(x, p["mlp_norm"], eps)
-  gate = jnp.einsum("bte,ef->btf", h, p["w_gate"])
-  up = jnp.einsum("bte,ef->btf", h, p["w_up"])
-  hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-  x = x + jnp.einsum("btf,fe->bte", hidden, p["w_down"])
+  hidden = jax.nn.silu(dense(h, p["w_gate"])) * dense(h, p["w_up"])
+  hidden = sharding.constrain(hidden, ("batch", "length", "mlp"))
+  x = x + dense(hidden, p["w_down"])
   return sharding.constrain(x, ("batch", "length", "embed")), new_cache

@@ -160,7 +160,7 @@ class Policy(nnx.Module):
   def _logits(self, shared: dict[str, jax.Array], h: jax.Array) -> jax.Array:
     """float32 logits [B, T, V] of hidden states h [B, T, E]."""
     h = layers.rms_norm(h, shared["final_norm"], self.config.norm_eps)
-    logits = jnp.einsum("bte,ev->btv", h, shared["head"], preferred_element_type=jnp.float32)
+    logits = layers.dense(h, shared["head"], preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "vocab"))
 
   def _main_blocks(self, x, positions, *, mask=None, cache: KVCache | None = None):
@@ -184,8 +184,7 @@ class Policy(nnx.Module):
     c, dt = self.config, self.config.compute_dtype
     hn = layers.rms_norm(h_prev, self.mtp.hidden_norm[module], c.norm_eps)
     en = layers.rms_norm(emb, self.mtp.embed_norm[module], c.norm_eps)
-    u = jnp.einsum("bti,ie->bte", jnp.concatenate([hn, en], axis=-1),
-                   self.mtp.proj[module].astype(dt))
+    u = layers.dense(jnp.concatenate([hn, en], axis=-1), self.mtp.proj[module].astype(dt))
     return sharding.constrain(u, ("batch", "length", "embed"))
 
   def _mtp_block(self, module: int, u, positions, *, mask=None, kv_cache=None):
