@@ -82,3 +82,56 @@ def test_rerun_of_complete_stage_does_nothing(straight_run, capsys):
   assert again["steps"] == summary["steps"]
   assert "skipping" in capsys.readouterr().out
   assert os.path.getmtime(os.path.join(workdir, "metrics.jsonl")) == before
+
+
+# A training run whose checkpoint save at step 6 is parked just before orbax's commit (the
+# grain handler's finalize blocks), so the SIGKILL lands mid-save deterministically.
+_KILLED_RUN = """
+import os, sys, time
+import grain
+sys.path.insert(0, {tests!r})
+import test_sft
+from bebop_jax.train import sft
+
+data_dir, workdir, marker = sys.argv[1:4]
+
+def parked_finalize(self, path):
+  if os.path.basename(os.path.dirname(str(path))).startswith("6."):
+    open(marker, "w").close()
+    time.sleep(600)
+
+grain.checkpoint.CheckpointHandler.finalize = parked_finalize
+sft.run(test_sft._tiny_config(data_dir, log_every=1), workdir)
+"""
+
+
+def test_sigkill_during_a_checkpoint_save_then_rerun_resumes(straight_run, tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  data_dir, straight, _ = straight_run
+  workdir, marker = str(tmp_path / "killed"), tmp_path / "parked"
+  script = tmp_path / "run.py"
+  script.write_text(_KILLED_RUN.format(tests=os.path.dirname(os.path.abspath(__file__))))
+  with open(tmp_path / "run.log", "w") as log:
+    child = subprocess.Popen([sys.executable, str(script), str(data_dir), workdir,
+                              str(marker)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.time() + 240
+    while not marker.exists():
+      assert child.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+      assert time.time() < deadline, "the run never reached its step-6 save"
+      time.sleep(0.2)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+  assert child.returncode == -signal.SIGKILL
+  ckpt_dir = os.path.join(workdir, "sft", "checkpoints")
+  entries = os.listdir(ckpt_dir)
+  assert "3" in entries and "6" not in entries
+  assert any(e.startswith("6.orbax-checkpoint-tmp") for e in entries), entries
+  assert not os.path.exists(os.path.join(workdir, "sft", "summary.json"))
+  # The same command again: resumes from step 3 and finishes exactly like the straight run.
+  summary = sft.run(_tiny_config(data_dir, log_every=1), workdir)
+  assert summary["complete"] and summary["steps"] == 6
+  assert _losses(workdir) == _losses(straight)
+  assert sorted(os.listdir(ckpt_dir)) == ["3", "6"]
