@@ -50,12 +50,23 @@ def _one_step(trainable="all", grad_accum=1, num_steps=1):
 
 
 def test_gradient_accumulation_equals_one_big_batch():
+  import optax  # pylint: disable=g-import-not-at-top
   _, a, ma = _one_step(grad_accum=1)
   _, b, mb = _one_step(grad_accum=4)
   np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-5)
   np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-4)
+  # The gradients themselves: after one step Adam's first moment is (1 - b1) * clipped grad.
+  mu_a = optax.tree_utils.tree_get(a.opt_state, "mu")
+  mu_b = optax.tree_utils.tree_get(b.opt_state, "mu")
+  # Each entry is a float32 sum over 128 tokens with cancellation: tolerance relative to the
+  # tensor's scale, not the entry's.
+  for x, y in zip(jax.tree.leaves(mu_a), jax.tree.leaves(mu_b)):
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * np.abs(y).max())
+  # Parameters: Adam's first step is lr * g / (|g| + eps), which amplifies float rounding
+  # where |g| is near eps, so only its bound (one learning rate) holds everywhere.
   for x, y in zip(jax.tree.leaves(a.trainable), jax.tree.leaves(b.trainable)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_less(np.abs(np.asarray(x) - np.asarray(y)), 2 * 3e-3)
 
 
 def test_training_only_the_mtp_modules_leaves_the_policy_untouched():
