@@ -39,7 +39,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   config = config_lib.validate(_CONFIG.value)
-  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+  workdir = os.path.abspath(_WORKDIR.value or default_workdir(
+      flags.FLAGS["config"].config_filename))
   os.makedirs(workdir, exist_ok=True)
   logging.info("workdir: %s", os.path.abspath(workdir))
   stages.run(config, workdir)

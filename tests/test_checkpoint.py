@@ -294,3 +294,14 @@ def test_sigkill_mid_save_leaves_last_complete_checkpoint(tmp_path, kill_when):
     assert ckpt.all_steps() == [1, 2]
     assert not glob.glob(str(directory / "*orbax-checkpoint-tmp*")), os.listdir(directory)
     _assert_trees_equal(ckpt.restore(2, abstract_like(step2)), step2)
+
+
+def test_relative_directory(tmp_path, monkeypatch):
+  # orbax rejects relative paths at save time; users pass --workdir=runs/x.
+  monkeypatch.chdir(tmp_path)
+  state = {"w": jnp.arange(3.0)}
+  with Checkpointer("runs/rel/checkpoints") as ckpt:
+    assert ckpt.save(1, state)
+  with Checkpointer("runs/rel/checkpoints") as ckpt:
+    _assert_trees_equal(ckpt.restore(1, abstract_like(state)), state)
+  assert os.listdir(tmp_path / "runs/rel/checkpoints") == ["1"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bebop_jax.decoding import verify as verify_lib
+from bebop_jax.decoding import verification as verify_lib
 
 V, K = 6, 3
 SAMPLING_MODES = ("rejection", "greedy_draft", "strict")

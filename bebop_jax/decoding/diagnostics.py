@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bebop_jax.decoding import sampling
-from bebop_jax.decoding import verify as verify_lib
+from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.model.model import shift_left
 
 

@@ -11,7 +11,16 @@ h0_n is known) and x_{n+1}, already sampled from p_n. One iteration:
      p_{n+1}..p_{n+K+1}; `verify` accepts a prefix and draws the next token.
   3. Commit a drafts and the next token; new frontier n + a + 1. Cache entries past it are
      overwritten before anything attends to them.
-Rows stop independently (a stop token, or max_new_tokens); a stopped row's state is frozen.
+Rows stop independently (a stop token, the turn's token limit, or max_new_tokens); a stopped
+row's state is frozen.
+
+Multi-turn (agentic) generation keeps the `DecodeState` between calls: `start` prefills and
+decodes the first turn; `continue_with_reply` appends an environment reply to chosen rows
+(one target forward over [x_{n+1}, reply] writes the main cache and the hidden states, then
+every MTP depth rewrites the window from the old frontier's window to the new frontier, so
+the drafting invariant holds), samples the next token from p at the reply's last position and
+decodes the next turn. Reply tokens are in the output with `policy_mask` False. Both calls
+donate the state, so caches are updated in place.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bebop_jax.decoding import sampling
-from bebop_jax.decoding import verify as verify_lib
+from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.decoding.autoregressive import check_lengths
 
 MODES = verify_lib.MODES
@@ -33,14 +42,17 @@ MODES = verify_lib.MODES
 
 @flax.struct.dataclass
 class SpeculativeOutput:
-  """Per row: tokens [B, N] (generated, 0 after the end), lengths [B] (incl. the stop token),
-  logprobs [B, N] (target sampling distribution), entropy [B, N] (raw target, nats),
-  attempted / accepted [B, K] (drafts at depth k verified / accepted; depth k is attempted
-  when depths < k were accepted), frontier_depths [B, P + N] (at each position n where a
-  draft phase ran: how many depths were verified there, for the self-consistency diagnostic);
-  per call: target_forwards (verification forwards after the prefill)."""
+  """Per row: tokens [B, N] (the completion: generated tokens and, in multi-turn generation,
+  environment replies; 0 after the end), lengths [B], policy_mask [B, N] (True where the
+  policy sampled the token, False for replies and padding), logprobs [B, N] (target sampling
+  distribution; 0 where not sampled), entropy [B, N] (raw target, nats), attempted /
+  accepted [B, K] (drafts at depth k verified / accepted; depth k is attempted when depths
+  < k were accepted), frontier_depths [B, P + N] (at each position n where a draft phase ran:
+  how many depths were verified there, for the self-consistency diagnostic); per call:
+  target_forwards (verification forwards after the prefill, summed over calls)."""
   tokens: jax.Array
   lengths: jax.Array
+  policy_mask: jax.Array
   logprobs: jax.Array
   entropy: jax.Array
   attempted: jax.Array
@@ -50,12 +62,14 @@ class SpeculativeOutput:
 
 
 @flax.struct.dataclass
-class _State:
+class DecodeState:
+  """Everything a later `continue_with_reply` needs; `out` is the output so far."""
   rng: jax.Array
   cache: object
-  seq: jax.Array        # [B, L] committed tokens by position (prompt, then generated)
+  seq: jax.Array        # [B, L] committed tokens by position (prompt, then completion)
   hidden: jax.Array     # [B, L, E] main hidden states h0 by position
   frontier: jax.Array   # [B] n
+  limit: jax.Array      # [B] output length at which the current turn stops
   done: jax.Array       # [B]
   out: SpeculativeOutput
 
@@ -68,56 +82,82 @@ def _check_mode(mode: str, params: sampling.SamplingParams):
                      "needs mode='exact' and mode='exact' needs temperature 0")
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "graphdef", "max_new_tokens", "cache_length", "params", "mode", "stop_tokens",
-    "num_draft_steps"))
-def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
-             prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
-             cache_length: int, params: sampling.SamplingParams, mode: str,
-             stop_tokens: Sequence[int], num_draft_steps: int | None = None
-             ) -> SpeculativeOutput:
-  """Samples up to `max_new_tokens` per row after right-padded prompts [B, P] with K drafts
-  per target forward. Compiled once per (B, P) and settings."""
-  _check_mode(mode, params)
-  model = nnx.merge(graphdef, state)
+def _num_drafts(model, num_draft_steps: int | None) -> int:
   k = model.config.num_draft_steps if num_draft_steps is None else num_draft_steps
   if not 1 <= k <= model.config.num_draft_steps:
     raise ValueError(f"num_draft_steps={k} is not allowed: must be in "
                      f"[1, {model.config.num_draft_steps}]")
+  return k
+
+
+def _turn_limit(lengths: jax.Array, max_new_tokens: int, max_turn_tokens: int | None):
+  if max_turn_tokens is None:
+    return jnp.full_like(lengths, max_new_tokens)
+  return jnp.minimum(lengths + max_turn_tokens, max_new_tokens)
+
+
+def _emit_sampled(s: DecodeState, logits: jax.Array, key: jax.Array, active: jax.Array,
+                  params: sampling.SamplingParams, stop: jax.Array) -> DecodeState:
+  """Samples x_{n+1} from p_n (`logits` [B, V]) for the active rows and appends it."""
+  b = logits.shape[0]
+  rows = jnp.arange(b)
+  logp = sampling.sampling_logprobs(logits, params)
+  tok = sampling.sample(key, logp)
+  o = s.out
+  n_max = o.tokens.shape[1]
+  slot = jnp.where(active, o.lengths, n_max)
+  out = o.replace(
+      tokens=o.tokens.at[rows, slot].set(tok, mode="drop"),
+      policy_mask=o.policy_mask.at[rows, slot].set(True, mode="drop"),
+      logprobs=o.logprobs.at[rows, slot].set(logp[rows, tok], mode="drop"),
+      entropy=o.entropy.at[rows, slot].set(sampling.entropy(logits), mode="drop"),
+      lengths=o.lengths + active)
+  seq = s.seq.at[rows, jnp.where(active, s.frontier + 1, s.seq.shape[1])].set(tok, mode="drop")
+  done = jnp.where(active, jnp.isin(tok, stop) | (out.lengths >= s.limit), s.done)
+  return s.replace(seq=seq, out=out, done=done)
+
+
+def _start(model, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, cache_length,
+           params, stop, max_turn_tokens) -> DecodeState:
   b, p = prompt_tokens.shape
   check_lengths(p, max_new_tokens, cache_length, extra=k + 1)
-  window = 2 * k
   buf_len = cache_length + 2 * k + 2  # room for drafts and windows past the cache end
   rows = jnp.arange(b)
-  stop = jnp.asarray(stop_tokens, jnp.int32)
-
   cache = model.init_cache(b, cache_length)
   logits, h0, cache = model.prefill(cache, prompt_tokens)
-  seq = jnp.zeros((b, buf_len), jnp.int32).at[:, :p].set(prompt_tokens)
-  hidden = jnp.zeros((b, buf_len, h0.shape[-1]), h0.dtype).at[:, :p].set(h0)
-  frontier = prompt_lengths - 1
-  # x_{n+1} from p_n: the first generated token. Keys are per row (row independence).
-  rng, key = sampling.split_rows(sampling.row_keys(rng, b), 2)
-  last = logits[rows, frontier]
-  logp = sampling.sampling_logprobs(last, params)
-  first = sampling.sample(key, logp)
-  seq = seq.at[rows, frontier + 1].set(first)
   zeros = lambda dt, n=max_new_tokens: jnp.zeros((b, n), dt)
-  out = SpeculativeOutput(
-      tokens=zeros(jnp.int32).at[:, 0].set(first), lengths=jnp.ones((b,), jnp.int32),
-      logprobs=zeros(jnp.float32).at[:, 0].set(logp[rows, first]),
-      entropy=zeros(jnp.float32).at[:, 0].set(sampling.entropy(last)),
-      attempted=jnp.zeros((b, k), jnp.int32), accepted=jnp.zeros((b, k), jnp.int32),
-      frontier_depths=jnp.zeros((b, p + max_new_tokens), jnp.int32),
-      target_forwards=jnp.int32(0))
-  done = jnp.isin(first, stop) | (max_new_tokens <= 1)
-  init = _State(rng=rng, cache=cache, seq=seq, hidden=hidden, frontier=frontier, done=done,
-                out=out)
+  lengths = jnp.zeros((b,), jnp.int32)
+  s = DecodeState(
+      rng=sampling.row_keys(rng, b), cache=cache,
+      seq=jnp.zeros((b, buf_len), jnp.int32).at[:, :p].set(prompt_tokens),
+      hidden=jnp.zeros((b, buf_len, h0.shape[-1]), h0.dtype).at[:, :p].set(h0),
+      frontier=prompt_lengths - 1, limit=_turn_limit(lengths, max_new_tokens, max_turn_tokens),
+      done=jnp.zeros((b,), bool),
+      out=SpeculativeOutput(
+          tokens=zeros(jnp.int32), lengths=lengths, policy_mask=zeros(bool),
+          logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
+          attempted=jnp.zeros((b, k), jnp.int32), accepted=jnp.zeros((b, k), jnp.int32),
+          frontier_depths=jnp.zeros((b, p + max_new_tokens), jnp.int32),
+          target_forwards=jnp.int32(0)))
+  # x_{n+1} from p_n: the first generated token. Keys are per row (row independence).
+  rng, key = sampling.split_rows(s.rng, 2)
+  s = s.replace(rng=rng)
+  return _emit_sampled(s, logits[rows, s.frontier], key, jnp.ones((b,), bool), params, stop)
 
-  def cond(s: _State):
+
+def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
+  """Runs the draft-verify-commit loop until every row is done."""
+  b = s.seq.shape[0]
+  buf_len = s.seq.shape[1]
+  k = s.out.attempted.shape[1]
+  max_new_tokens = s.out.tokens.shape[1]
+  window = 2 * k
+  rows = jnp.arange(b)
+
+  def cond(s: DecodeState):
     return ~jnp.all(s.done)
 
-  def body(s: _State):
+  def body(s: DecodeState):
     rng, verify_key, *draft_keys = sampling.split_rows(s.rng, k + 2)
     n = s.frontier
     cache = s.cache
@@ -129,8 +169,8 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
     seq = s.seq
     drafts, draft_probs = [], []
     for depth in range(1, k + 1):
-      q_logits, h_prev, cache = model.mtp_step(cache, depth, h_prev, seq[rows[:, None],
-                                                                       win + depth], start)
+      q_logits, h_prev, cache = model.mtp_step(cache, depth, h_prev,
+                                               seq[rows[:, None], win + depth], start)
       q_logp = sampling.sampling_logprobs(q_logits[rows, at_n], params)
       if mode in ("greedy_draft", "exact"):
         d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
@@ -153,11 +193,10 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                         jnp.concatenate([drafts, drafts[:, :1]], axis=1), nxt[:, None])
     count = num_acc + 1
     o = s.out
-    room = max_new_tokens - o.lengths
     is_stop = jnp.isin(emitted, stop) & (idx < count[:, None])
     first_stop = jnp.argmax(is_stop, axis=1)
     count = jnp.where(jnp.any(is_stop, axis=1), first_stop + 1, count)
-    count = jnp.minimum(count, room)
+    count = jnp.minimum(count, s.limit - o.lengths)
     active = ~s.done
     count = jnp.where(active, count, 0)
     valid = idx < count[:, None]
@@ -167,6 +206,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
     depth_idx = jnp.arange(k)[None, :]
     out = o.replace(
         tokens=o.tokens.at[rows[:, None], slots].set(emitted, mode="drop"),
+        policy_mask=o.policy_mask.at[rows[:, None], slots].set(True, mode="drop"),
         logprobs=o.logprobs.at[rows[:, None], slots].set(emitted_logp, mode="drop"),
         entropy=o.entropy.at[rows[:, None], slots].set(emitted_ent, mode="drop"),
         lengths=o.lengths + count,
@@ -181,8 +221,112 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
     h_pos = jnp.where(active[:, None], n[:, None] + 1 + idx, buf_len)
     hidden = s.hidden.at[rows[:, None], h_pos].set(t_hidden, mode="drop")
     frontier = jnp.where(active, n + count, n)
-    done = s.done | jnp.any(is_stop & valid, axis=1) | (out.lengths >= max_new_tokens)
-    return _State(rng=rng, cache=cache, seq=new_seq, hidden=hidden, frontier=frontier,
-                  done=done, out=out)
+    done = s.done | jnp.any(is_stop & valid, axis=1) | (out.lengths >= s.limit)
+    return s.replace(rng=rng, cache=cache, seq=new_seq, hidden=hidden, frontier=frontier,
+                     done=done, out=out)
 
-  return jax.lax.while_loop(cond, body, init).out
+  return jax.lax.while_loop(cond, body, s)
+
+
+def _append(model, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
+            max_turn_tokens) -> DecodeState:
+  """Appends reply_tokens[b, :reply_lengths[b]] after row b's last token where
+  reply_lengths[b] > 0 (other rows stay as they are) and samples the token after it."""
+  b, r = reply_tokens.shape
+  k = s.out.attempted.shape[1]
+  cache_length = s.cache.length
+  max_new_tokens = s.out.tokens.shape[1]
+  rows = jnp.arange(b)
+  o = s.out
+  # A reply that would leave no room for a policy token is not appended.
+  active = (reply_lengths > 0) & (o.lengths + reply_lengths < max_new_tokens)
+  n = s.frontier
+  idx = jnp.arange(r)[None, :]
+  in_reply = idx < reply_lengths[:, None]
+  # 1. Main model over [x_{n+1}, reply] at n+1..n+r+1 (inactive rows write past the cache,
+  # where writes are dropped).
+  chunk = jnp.concatenate([s.seq[rows, n + 1][:, None], reply_tokens], axis=1)
+  start = jnp.where(active, n + 1, cache_length)
+  logits, h0, cache = model.step(s.cache, chunk, start)
+  buf_len = s.seq.shape[1]
+  reply_pos = jnp.where(active[:, None] & in_reply, n[:, None] + 2 + idx, buf_len)
+  seq = s.seq.at[rows[:, None], reply_pos].set(reply_tokens, mode="drop")
+  h_pos = jnp.where(active[:, None], start[:, None] + jnp.arange(r + 1)[None, :], buf_len)
+  hidden = s.hidden.at[rows[:, None], h_pos].set(h0, mode="drop")
+  slots = jnp.where(active[:, None] & in_reply, o.lengths[:, None] + idx, max_new_tokens)
+  out = o.replace(tokens=o.tokens.at[rows[:, None], slots].set(reply_tokens, mode="drop"),
+                  lengths=o.lengths + jnp.where(active, reply_lengths, 0))
+  frontier = jnp.where(active, n + reply_lengths + 1, n)
+  s = s.replace(cache=cache, seq=seq, hidden=hidden, frontier=frontier, out=out,
+                limit=jnp.where(active, _turn_limit(out.lengths, max_new_tokens,
+                                                     max_turn_tokens), s.limit))
+  # 2. The next policy token from p at the reply's last position.
+  rng, key = sampling.split_rows(s.rng, 2)
+  s = _emit_sampled(s.replace(rng=rng), logits[rows, jnp.where(active, reply_lengths, 0)],
+                    key, active, params, stop)
+  # 3. Every depth rewrites positions from the old window's start to the new frontier.
+  width = 2 * k + r + 1
+  w_start = jnp.where(active, jnp.maximum(n - 2 * k + 1, 0), cache_length)
+  win = jnp.minimum(w_start[:, None] + jnp.arange(width)[None, :], buf_len - k - 1)
+  h_prev = s.hidden[rows[:, None], win]
+  cache = s.cache
+  for depth in range(1, k + 1):
+    _, h_prev, cache = model.mtp_step(cache, depth, h_prev, s.seq[rows[:, None], win + depth],
+                                      w_start)
+  return s.replace(cache=cache)
+
+
+_STATIC = ("graphdef", "params", "mode", "stop_tokens", "max_turn_tokens")
+
+
+def _first_turn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+                prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+                cache_length: int, params: sampling.SamplingParams, mode: str,
+                stop_tokens: Sequence[int], num_draft_steps: int | None = None,
+                max_turn_tokens: int | None = None) -> DecodeState:
+  """Prefills right-padded prompts [B, P] and decodes the first turn: until a stop token,
+  `max_turn_tokens` or `max_new_tokens` (the whole completion's budget). Compiled once per
+  (B, P) and settings."""
+  _check_mode(mode, params)
+  model = nnx.merge(graphdef, state)
+  k = _num_drafts(model, num_draft_steps)
+  stop = jnp.asarray(stop_tokens, jnp.int32)
+  s = _start(model, prompt_tokens, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
+             cache_length=cache_length, params=params, stop=stop,
+             max_turn_tokens=max_turn_tokens)
+  return _decode(model, s, params=params, mode=mode, stop=stop)
+
+
+_FIRST_STATIC = _STATIC + ("max_new_tokens", "cache_length", "num_draft_steps")
+start = jax.jit(_first_turn, static_argnames=_FIRST_STATIC)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("decode_state",))
+def continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
+                        reply_tokens: jax.Array, reply_lengths: jax.Array, *,
+                        params: sampling.SamplingParams, mode: str,
+                        stop_tokens: Sequence[int], max_turn_tokens: int | None = None
+                        ) -> DecodeState:
+  """Appends right-padded replies [B, R] (rows with reply_lengths 0 are finished and left
+  alone; a reply that would fill the completion budget is not appended and its row stays
+  done) and decodes the next turn. Donates `decode_state`."""
+  _check_mode(mode, params)
+  model = nnx.merge(graphdef, state)
+  stop = jnp.asarray(stop_tokens, jnp.int32)
+  s = _append(model, decode_state, reply_tokens, reply_lengths, params=params, stop=stop,
+              max_turn_tokens=max_turn_tokens)
+  return _decode(model, s, params=params, mode=mode, stop=stop)
+
+
+@functools.partial(jax.jit, static_argnames=_FIRST_STATIC)
+def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+             prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+             cache_length: int, params: sampling.SamplingParams, mode: str,
+             stop_tokens: Sequence[int], num_draft_steps: int | None = None,
+             max_turn_tokens: int | None = None) -> SpeculativeOutput:
+  """Samples up to `max_new_tokens` per row after right-padded prompts [B, P] with K drafts
+  per target forward (single turn). Compiled once per (B, P) and settings."""
+  return _first_turn(
+      graphdef, state, prompt_tokens, prompt_lengths, rng, max_new_tokens=max_new_tokens,
+      cache_length=cache_length, params=params, mode=mode, stop_tokens=stop_tokens,
+      num_draft_steps=num_draft_steps, max_turn_tokens=max_turn_tokens).out

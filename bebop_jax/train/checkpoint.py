@@ -246,7 +246,8 @@ class Checkpointer:
     if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
       raise ValueError(f"save_interval_steps={save_interval_steps!r} is not allowed: "
                        f"a positive int")
-    self.directory = os.fspath(directory)
+    # orbax needs an absolute path (a relative one fails at the first save).
+    self.directory = os.path.abspath(os.fspath(directory))
     self.keep_last = keep_last
     self.best_metric = best_metric
     self.best_mode = best_mode
