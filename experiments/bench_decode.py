@@ -5,7 +5,8 @@ r"""Autoregressive against speculative (MTP drafts) decoding, one model, one pro
 
 Without an SFT checkpoint in --workdir (or with --random_init) a randomly initialised model
 of the config's shape is used. Prompts are held-out task prompts. For every batch size,
-temperature and verification mode it reports tokens/s of both loops, the speed ratio,
+temperature and verification mode it reports tokens/s of both loops over the same prompts (batch 1
+decodes --num_prompts prompts one after another), the speed ratio,
 tokens per target forward, and per-depth acceptance online and teacher-forced (the
 self-consistency diagnostic). Temperature 0 uses mode "exact"; temperature > 0 the others.
 """
@@ -38,77 +39,92 @@ _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
 _MODES = flags.DEFINE_list("modes", ["rejection", "greedy_draft", "strict"],
                            "Verification modes at temperature > 0.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per row.")
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per measurement (best is kept).")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed passes per measurement (best is kept).")
+_PROMPTS = flags.DEFINE_integer("num_prompts", 32, "Prompts per measurement (at least one "
+                                "batch): batch 1 decodes them one after another.")
 _RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default <workdir>/bench_decode.json).")
 
 
-def _prompts(config, batch: int) -> tuple[np.ndarray, np.ndarray]:
-  """Held-out prompts of all tasks, cycled to `batch` rows, right-padded to a bucket."""
+def _prompt_batches(config, batch: int, num_prompts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  """max(batch, num_prompts) held-out prompts of all tasks (shuffled, cycled if needed) in
+  batches of `batch` rows, right-padded to one bucket so each loop compiles once."""
   tok = get_tokenizer()
   examples = []
   for name in tasks_lib.TASK_NAMES:
     if config.data.tasks[name].weight > 0:
       examples += pipeline.eval_examples(config.data, name, 64)
-  rng = np.random.default_rng(0)
-  order = rng.permutation(len(examples))
-  ids = [tok.encode(examples[i % len(examples)].prompt, add_bos=True)
-         for i in order[:batch]] if batch <= len(examples) else [
-             tok.encode(examples[order[i % len(order)]].prompt, add_bos=True)
-             for i in range(batch)]
+  order = np.random.default_rng(0).permutation(len(examples))
+  total = -(-max(batch, num_prompts) // batch) * batch
+  ids = [tok.encode(examples[order[i % len(order)]].prompt, add_bos=True)
+         for i in range(total)]
   p = bucket(max(len(x) for x in ids))
-  tokens = np.zeros((batch, p), np.int32)
-  for i, x in enumerate(ids):
-    tokens[i, :len(x)] = x
-  return tokens, np.array([len(x) for x in ids], np.int32)
+  batches = []
+  for start in range(0, total, batch):
+    rows = ids[start:start + batch]
+    tokens = np.zeros((batch, p), np.int32)
+    for i, x in enumerate(rows):
+      tokens[i, :len(x)] = x
+    batches.append((tokens, np.array([len(x) for x in rows], np.int32)))
+  return batches
 
 
-def _best_time(fn, repeats: int):
-  out = jax.block_until_ready(fn(0))  # compile + warm up
-  best = float("inf")
+def _best_time(fn, batches, repeats: int):
+  """Best total wall time over `repeats` passes over all batches, after a warm-up pass;
+  returns (seconds, outputs of the last pass)."""
+  jax.block_until_ready(fn(*batches[0], 0))  # compile + warm up
+  best, outs = float("inf"), []
   for r in range(repeats):
     start = time.perf_counter()
-    out = jax.block_until_ready(fn(r + 1))
+    outs = [jax.block_until_ready(fn(tokens, lengths, 1000 * r + i))
+            for i, (tokens, lengths) in enumerate(batches)]
     best = min(best, time.perf_counter() - start)
-  return best, out
+  return best, outs
 
 
 def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
-                  repeats) -> list[dict]:
+                  repeats, num_prompts=32) -> list[dict]:
   """All measurements as a list of row dicts."""
   # Stop at end of sequence as a real rollout does; both loops stop on the same tokens.
   stop = (get_tokenizer().eos_id,)
   results = []
   for b in batch_sizes:
-    tokens, lengths = _prompts(config, b)
-    cache_length = tokens.shape[1] + max_new + 8
+    batches = _prompt_batches(config, b, num_prompts)
+    cache_length = batches[0][0].shape[1] + max_new + 8
     for t in temperatures:
       params = sampling.SamplingParams(temperature=t)
-      ar_time, ar = _best_time(lambda seed: autoregressive.generate(
+      ar_time, ar = _best_time(lambda tokens, lengths, seed: autoregressive.generate(
           graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
-          cache_length=cache_length, params=params, stop_tokens=stop), repeats)
-      ar_tokens = int(np.asarray(ar.lengths).sum())
+          cache_length=cache_length, params=params, stop_tokens=stop), batches, repeats)
+      ar_tokens = sum(int(np.asarray(o.lengths).sum()) for o in ar)
+      ar_forwards = sum(int(o.target_forwards) for o in ar)
       for mode in (["exact"] if t == 0 else modes):
-        sp_time, sp = _best_time(lambda seed: speculative.generate(
+        sp_time, sp = _best_time(lambda tokens, lengths, seed: speculative.generate(
             graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
-            cache_length=cache_length, params=params, mode=mode, stop_tokens=stop), repeats)
-        sp_tokens = int(np.asarray(sp.lengths).sum())
-        att = np.asarray(sp.attempted).sum(0)
-        acc = np.asarray(sp.accepted).sum(0)
-        seq, gen = diagnostics.sequences_from_generation(
-            tokens, lengths, sp.tokens, sp.lengths)
-        tf = diagnostics.teacher_forced_acceptance(
-            graphdef, state, seq, gen, sp.frontier_depths, params=params, mode=mode)
+            cache_length=cache_length, params=params, mode=mode, stop_tokens=stop),
+                                 batches, repeats)
+        sp_tokens = sum(int(np.asarray(o.lengths).sum()) for o in sp)
+        att = sum(np.asarray(o.attempted).sum(0) for o in sp)
+        acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
+        expected, visits = 0.0, 0.0
+        for (tokens, lengths), o in zip(batches, sp):
+          seq, gen = diagnostics.sequences_from_generation(tokens, lengths, o.tokens, o.lengths)
+          tf = diagnostics.teacher_forced_acceptance(
+              graphdef, state, seq, gen, o.frontier_depths, params=params, mode=mode)
+          expected = expected + np.asarray(tf["expected_accepted"])
+          visits = visits + np.asarray(tf["visits"])
         row = {
-            "batch": b, "temperature": t, "mode": mode,
+            "batch": b, "prompts": len(batches) * b, "temperature": t, "mode": mode,
             "ar_tokens_per_s": ar_tokens / ar_time,
             "spec_tokens_per_s": sp_tokens / sp_time,
             "speedup": (sp_tokens / sp_time) / (ar_tokens / ar_time),
             "tokens_per_target_forward": float((att[0] + acc.sum()) / max(att[0], 1)),
             "acceptance_online": (acc / np.maximum(att, 1)).tolist(),
-            "acceptance_teacher_forced": np.asarray(tf["alpha_at_frontiers"]).tolist(),
+            "acceptance_teacher_forced": (expected / np.maximum(visits, 1)).tolist(),
             "ar_seconds": ar_time, "spec_seconds": sp_time,
             "ar_tokens": ar_tokens, "spec_tokens": sp_tokens,
+            "ar_target_forwards": ar_forwards,
+            "spec_target_forwards": sum(int(o.target_forwards) for o in sp),
         }
         results.append(row)
         print(_format_row(row), flush=True)
@@ -118,13 +134,13 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
 def _format_row(r: dict) -> str:
   acc = "/".join(f"{a:.2f}" for a in r["acceptance_online"])
   tf = "/".join(f"{a:.2f}" for a in r["acceptance_teacher_forced"])
-  return (f"| {r['batch']:>5} | {r['temperature']:>4g} | {r['mode']:<12} | "
+  return (f"| {r['batch']:>5} | {r['prompts']:>3} | {r['temperature']:>4g} | {r['mode']:<12} | "
           f"{r['ar_tokens_per_s']:>9.1f} | {r['spec_tokens_per_s']:>9.1f} | "
           f"{r['speedup']:>5.2f}x | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |")
 
 
-HEADER = ("| batch | temp | mode         |  AR tok/s | spec tok/s | ratio | tok/fwd | "
-          "acceptance online | teacher-forced |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| batch | prompts | temp | mode         |  AR tok/s | spec tok/s | ratio | tok/fwd | "
+          "acceptance online | teacher-forced |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv):
@@ -141,7 +157,8 @@ def main(argv):
   results = run_benchmark(
       config, graphdef, state, batch_sizes=[int(b) for b in _BATCH.value],
       temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
-      max_new=_MAX_NEW.value, repeats=_REPEATS.value)
+      max_new=_MAX_NEW.value, repeats=_REPEATS.value,
+      num_prompts=_PROMPTS.value)
   out = _OUT.value or os.path.join(_WORKDIR.value or ".", "bench_decode.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as f:

@@ -1,0 +1,170 @@
+"""Multi-turn speculative generation: environment replies prefilled into every cache."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bebop_jax.decoding import autoregressive, multi_turn, sampling, speculative
+from bebop_jax.model import config as model_config
+from bebop_jax.model import model as policy_lib
+
+CONFIG = model_config.preset("tiny")
+GRAPHDEF, STATE = policy_lib.init(CONFIG, seed=3)
+K = CONFIG.num_draft_steps
+STOP = (2,)
+
+
+def _prompts(b=3, p=12, seed=0):
+  rng = np.random.default_rng(seed)
+  lengths = np.array([5, 12, 8, 3][:b], np.int32)
+  tokens = rng.integers(3, 100, (b, p)).astype(np.int32)
+  tokens[np.arange(p)[None] >= lengths[:, None]] = 0
+  return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def test_caches_after_a_reply_equal_a_fresh_prefill_of_the_whole_context():
+  tokens, lengths = _prompts()
+  params = sampling.SamplingParams(1.0)
+  common = dict(params=params, mode="rejection", stop_tokens=STOP)
+  ds = speculative.start(GRAPHDEF, STATE, tokens, lengths, jax.random.key(0),
+                         max_new_tokens=40, cache_length=64, max_turn_tokens=7, **common)
+  before = jax.tree.map(jnp.copy, ds)
+  reply = jnp.asarray([[50, 51, 52, 53, 54], [60, 61, 0, 0, 0], [0, 0, 0, 0, 0]], jnp.int32)
+  reply_lengths = jnp.asarray([5, 2, 0], jnp.int32)
+  # max_turn_tokens=1: the call appends the reply, samples one token and stops, so the state
+  # is the one right after the append.
+  ds = speculative.continue_with_reply(GRAPHDEF, STATE, ds, reply, reply_lengths,
+                                       max_turn_tokens=1, **common)
+  n_before, n_after = np.asarray(before.frontier), np.asarray(ds.frontier)
+  np.testing.assert_array_equal(n_after, n_before + [6, 3, 0])
+  out_len = np.asarray(ds.out.lengths)
+  np.testing.assert_array_equal(out_len, np.asarray(before.out.lengths) + [6, 3, 0])
+  model = nnx.merge(GRAPHDEF, STATE)
+  t = int(n_after.max()) + 2
+  seq = ds.seq[:, :t]
+  _, h0, fresh = model.prefill(model.init_cache(3, 64), seq)
+  for row in range(2):
+    n = int(n_after[row])
+    # The reply sits right after the turn, in the sequence and in the output.
+    p, m = int(lengths[row]), int(before.out.lengths[row])
+    np.testing.assert_array_equal(np.asarray(ds.seq[row, p + m:p + m + reply_lengths[row]]),
+                                  np.asarray(reply[row, :reply_lengths[row]]))
+    np.testing.assert_array_equal(np.asarray(ds.out.tokens[row, m:m + reply_lengths[row]]),
+                                  np.asarray(reply[row, :reply_lengths[row]]))
+    mask = np.asarray(ds.out.policy_mask[row])
+    assert not mask[m:m + reply_lengths[row]].any() and mask[:m].all()
+    assert mask[m + reply_lengths[row]] and not mask[out_len[row]:].any()
+    np.testing.assert_allclose(np.asarray(ds.hidden[row, :n + 1]), np.asarray(h0[row, :n + 1]),
+                               atol=2e-5)
+    for name in ("k", "v"):
+      np.testing.assert_allclose(
+          np.asarray(getattr(ds.cache.main, name)[:, row, :n + 1]),
+          np.asarray(getattr(fresh.main, name)[:, row, :n + 1]), atol=2e-5)
+      for depth in range(1, K + 1):
+        # Depth k at position j needs x_{j+k}; committed up to n + 1.
+        end = n + 2 - depth
+        np.testing.assert_allclose(
+            np.asarray(getattr(ds.cache.mtp, name)[depth - 1, row, :end]),
+            np.asarray(getattr(fresh.mtp, name)[depth - 1, row, :end]), atol=2e-5,
+            err_msg=f"row {row} depth {depth} {name}")
+  # The row without a reply is untouched.
+  untouched = lambda s: (s.seq, s.hidden, s.frontier, s.done, s.out.tokens, s.out.lengths,
+                         s.out.policy_mask, s.out.logprobs)
+  for a, b in zip(untouched(before), untouched(ds)):
+    np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b[2]))
+  for a, b in zip(jax.tree.leaves(before.cache), jax.tree.leaves(ds.cache)):
+    np.testing.assert_array_equal(np.asarray(a[:, 2]), np.asarray(b[:, 2]))
+
+
+@dataclasses.dataclass
+class _EchoEnv:
+  """Replies with a fixed token text for `turns` turns, then ends with reward = turns."""
+  reply: str
+  turns: int
+  seen: list = dataclasses.field(default_factory=list)
+
+  def step(self, text):
+    self.seen.append(text)
+    done = len(self.seen) > self.turns
+    return multi_turn_result(self.reply if not done else "", done, float(len(self.seen)))
+
+
+def multi_turn_result(observation, done, reward):
+  from bebop_jax.tasks.agentic import StepResult  # pylint: disable=g-import-not-at-top
+  return StepResult(observation, done, reward, 0)
+
+
+def _reprefill_greedy(prompt, env, max_new_tokens, max_turn_tokens, stop):
+  """Reference: greedy autoregressive decoding from the whole context at every turn."""
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = get_tokenizer()
+  completion, mask = [], []
+  while True:
+    ctx = list(prompt) + completion
+    budget = min(max_turn_tokens, max_new_tokens - len(completion))
+    out = autoregressive.generate(
+        GRAPHDEF, STATE, jnp.asarray([ctx + [0] * (64 - len(ctx))]),
+        jnp.asarray([len(ctx)]), jax.random.key(0), max_new_tokens=budget,
+        cache_length=64 + budget, params=sampling.SamplingParams(0.0), stop_tokens=stop)
+    turn = np.asarray(out.tokens)[0, :int(out.lengths[0])].tolist()
+    completion += turn
+    mask += [True] * len(turn)
+    text = tok.decode(turn[:-1] if turn and turn[-1] == tok.eos_id else turn)
+    result = env.step(text)
+    if result.done:
+      return completion, mask, result.reward
+    reply = tok.encode(result.observation)
+    if len(completion) + len(reply) >= max_new_tokens:
+      return completion, mask, 0.0
+    completion += reply
+    mask += [False] * len(reply)
+
+
+def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill():
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = get_tokenizer()
+  prompts = [tok.encode(s, add_bos=True) for s in ("what is 3+4?", "get age of bob", "x")]
+  replies = ["<|result|>7<|/result|>", "<|result|>error: unknown entity<|/result|>", "ok"]
+  stop = (tok.eos_id, tok.call_end_id)
+  kw = dict(max_new_tokens=48, max_turn_tokens=6)
+  envs = [_EchoEnv(r, turns=2 + i) for i, r in enumerate(replies)]
+  stats = multi_turn.RolloutStats(np.zeros(K), np.zeros(K))
+  episodes = multi_turn.speculative_episodes(
+      GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
+      params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop, stats=stats, **kw)
+  for i, ep in enumerate(episodes):
+    env = _EchoEnv(replies[i], turns=2 + i)
+    tokens, mask, reward = _reprefill_greedy(prompts[i], env, stop=stop, **kw)
+    assert ep.tokens == tokens, i
+    assert ep.policy_mask == mask, i
+    assert ep.reward == reward and ep.turns == len(env.seen)
+    assert envs[i].seen == env.seen
+    assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.policy_mask) if not m)
+  assert sum(ep.turns for ep in episodes) >= 7  # replies were appended, several per row
+  # The random model's drafts are mostly wrong: rejections happened around the replies.
+  assert stats.accepted[0] < stats.attempted[0] and stats.target_forwards > 0
+
+
+def test_episodes_compile_once_per_bucket():
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = get_tokenizer()
+
+  def run(seed):
+    prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
+    envs = [_EchoEnv("<|result|>" + "z" * (3 + i + seed) + "<|/result|>", turns=2)
+            for i in range(3)]
+    return multi_turn.speculative_episodes(
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
+        max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
+        mode="rejection", stop_tokens=(tok.eos_id,))
+
+  run(0)
+  sizes = (speculative.start._cache_size(),  # pylint: disable=protected-access
+           speculative.continue_with_reply._cache_size())  # pylint: disable=protected-access
+  run(1)
+  run(2)
+  assert (speculative.start._cache_size(),  # pylint: disable=protected-access
+          speculative.continue_with_reply._cache_size()) == sizes  # pylint: disable=protected-access
