@@ -175,6 +175,21 @@ def test_kernel_that_fails_to_compile_falls_back_once(monkeypatch, caplog):
   assert len(warnings) == 1 and "pallas_tpu" in warnings[0].getMessage()
 
 
+@pytest.mark.parametrize("implementation,platform", [("pallas_tpu", "tpu"),
+                                                     ("pallas_gpu", "cuda")])
+def test_pallas_kernels_lower_for_their_hardware(implementation, platform):
+  """Forward and backward lower to Mosaic / Triton IR (compiling them needs the device)."""
+  loss = lambda d, t: jnp.sum(api.tv_distance(d, t, implementation=implementation,
+                                              block_size=256))
+  exported = jax.export.export(
+      jax.jit(jax.value_and_grad(loss)), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(jax.ShapeDtypeStruct((40, 1000), jnp.bfloat16), jax.ShapeDtypeStruct((40, 1000),
+                                                                          jnp.float32))
+  kernel_call = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
+  assert exported.mlir_module().count(kernel_call) == 2  # stats forward, gradient backward
+
+
 def test_unknown_implementation_raises():
   draft, target = _random_logits(6, (2, 8))
   with pytest.raises(ValueError, match="pallas_tpu.*pallas_gpu"):

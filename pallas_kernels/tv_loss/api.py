@@ -86,6 +86,8 @@ def tv_distance(draft_logits: jax.Array, target_logits: jax.Array, *,
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown tv_distance implementation {implementation!r}; "
                      f"expected one of {IMPLEMENTATIONS} or None.")
+  if block_size is not None and block_size < 1:
+    raise ValueError(f"block_size must be positive, got {block_size}.")
   if draft_logits.shape != target_logits.shape or draft_logits.ndim < 1:
     raise ValueError(f"draft and target logits must have one shape [..., V]; got "
                      f"{draft_logits.shape} and {target_logits.shape}.")

@@ -42,10 +42,10 @@ def _stats_kernel(draft_ref, target_ref,  # [br, bv] blocks
 
   @pl.when((phase == 0) & (j == 0))
   def _init_logsumexp():
-    max_q[...] = jnp.full_like(max_q, common.NEG_INF)
-    max_p[...] = jnp.full_like(max_p, common.NEG_INF)
-    sum_q[...] = jnp.zeros_like(sum_q)
-    sum_p[...] = jnp.zeros_like(sum_p)
+    max_q[...] = jnp.full(max_q.shape, common.NEG_INF, jnp.float32)
+    max_p[...] = jnp.full(max_p.shape, common.NEG_INF, jnp.float32)
+    sum_q[...] = jnp.zeros(sum_q.shape, jnp.float32)
+    sum_p[...] = jnp.zeros(sum_p.shape, jnp.float32)
 
   @pl.when(phase == 0)
   def _logsumexp():
@@ -58,8 +58,8 @@ def _stats_kernel(draft_ref, target_ref,  # [br, bv] blocks
   def _finish_logsumexp():  # from here on max_q / max_p hold the log-sum-exps
     max_q[...] = max_q[...] + jnp.log(sum_q[...])
     max_p[...] = max_p[...] + jnp.log(sum_p[...])
-    alpha[...] = jnp.zeros_like(alpha)
-    below_mass[...] = jnp.zeros_like(below_mass)
+    alpha[...] = jnp.zeros(alpha.shape, jnp.float32)
+    below_mass[...] = jnp.zeros(below_mass.shape, jnp.float32)
 
   @pl.when(phase == 1)
   def _overlap():

@@ -8,6 +8,8 @@ No [N, V] float32 array exists in the forward. The residuals are the inputs and 
 with q and the indicator recomputed from the logits), so XLA emits it as one loop fusion
 whose only [N, V] buffer is the gradient itself.
 
+On CPU, bfloat16 inputs cost one [N, V] 16-bit copy each (see `_column_block`).
+
 When B does not divide V, the last block is shifted left to end at column V (no padding copy)
 and its columns already covered by the previous block are masked out.
 """
