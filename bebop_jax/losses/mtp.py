@@ -1,0 +1,115 @@
+"""MTP drafter objectives over the teacher-forced chain (DESIGN.md 5).
+
+Depth k (1..K) at position i drafts q_i^k for the token x_{i+k+1}; its target distribution is
+the policy's p_{i+k} = softmax(logits[i + k]) (stop-gradient). Per depth, over the valid
+positions (the chain mask `mtp_mask[k]`, and x_{i+k+1} a loss target):
+  ce      -log q_i^k(x_{i+k+1}) on the data tokens
+  kl      KL(p_{i+k} || q_i^k)
+  tv      TV_k = 1/2 sum_v |p - q| = 1 - alpha_k
+  e2e_tv  L = 1 - sum_k w_k prod_{j<=k} alpha_j(i), w_k = 1/K by default: the negative
+          normalised expected accepted length of K-step rejection sampling. The product runs
+          along the chain at the same start i, so only positions where every depth is valid
+          count.
+`depth_weights` (K non-negative numbers) weight the per-depth means of ce / kl / tv and the
+terms of e2e_tv (normalised to sum to 1). Whatever is trained, the metrics report per depth
+alpha_k, tv_k, kl_k, ce_k, and the expected accepted length sum_k prod_{j<=k} alpha_j.
+The TV goes through `pallas_kernels.tv_loss.tv_distance` (analytic gradient, streamed over
+the vocabulary; `tv_implementation` picks the kernel, None the backend's best).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from bebop_jax.losses.lm import shift_left_axis1, token_cross_entropy
+from bebop_jax.model.model import shift_left
+from pallas_kernels.tv_loss import tv_distance
+
+LOSSES = ("ce", "kl", "tv", "e2e_tv")
+
+
+def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _normalised_weights(depth_weights: Sequence[float] | None, k: int) -> jax.Array:
+  if depth_weights is None:
+    return jnp.full((k,), 1.0 / k, jnp.float32)
+  w = jnp.asarray(depth_weights, jnp.float32)
+  if w.shape != (k,):
+    raise ValueError(f"depth_weights has {w.shape[0] if w.ndim else 0} entries; the chain has "
+                     f"K={k} depths")
+  return w / jnp.sum(w)
+
+
+def kl_divergence(target_logits: jax.Array, draft_logits: jax.Array) -> jax.Array:
+  """KL(p || q) per position, p = softmax(target), q = softmax(draft); [..., V] -> [...]."""
+  logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
+  logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+  p = jnp.exp(logp)
+  return jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
+
+
+def expected_accepted_length(alphas: jax.Array) -> jax.Array:
+  """sum_k prod_{j<=k} alpha_j over the leading (depth) axis: [K, ...] -> [...]."""
+  return jnp.sum(jnp.cumprod(alphas, axis=0), axis=0)
+
+
+def mtp_loss(out: dict[str, jax.Array], tokens: jax.Array, loss_mask: jax.Array, *,
+             loss: str, depth_weights: Sequence[float] | None = None,
+             tv_implementation: str | None = None, temperature: float = 1.0
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The MTP objective `loss` (one of LOSSES) and per-depth metrics.
+
+  Args:
+    out: the teacher-forced forward's outputs (Policy.__call__ with the MTP chain).
+    tokens: [B, T]; loss_mask: [B, T] (1 = token is a target, e.g. a policy-sampled token).
+    temperature: applied to both distributions before comparing them (1 = raw).
+  Returns:
+    (loss, metrics): metrics has alpha_k, tv_k, kl_k, ce_k per depth (k = 1..K), the
+    chain's expected_accepted_length, positions (chain-valid start positions) and loss.
+  """
+  if loss not in LOSSES:
+    raise ValueError(f"loss={loss!r} is not allowed: one of {LOSSES}")
+  if "mtp_logits" not in out:
+    raise ValueError("the forward pass has no MTP chain (num_draft_steps=0)")
+  draft = out["mtp_logits"] / temperature                             # [K, B, T, V]
+  k_steps = draft.shape[0]
+  p_logits = jax.lax.stop_gradient(out["logits"]) / temperature      # p_i
+  target = jnp.stack([shift_left_axis1(p_logits, k + 1) for k in range(k_steps)])
+  masks = jnp.stack([out["mtp_mask"][k] & (shift_left(loss_mask, k + 2) > 0)
+                     for k in range(k_steps)])                        # [K, B, T]
+  # Invalid positions (padding, chain past a segment end) still go through the kernel but
+  # are masked; their target is zeros there (finite), so values and gradients are finite.
+  tv = tv_distance(draft, target, implementation=tv_implementation)  # [K, B, T]
+  alpha = 1.0 - tv
+  ce = jnp.stack([token_cross_entropy(draft[k], shift_left(tokens, k + 2))
+                  for k in range(k_steps)])
+  w = _normalised_weights(depth_weights, k_steps)
+  chain_mask = jnp.all(masks, axis=0)
+  prods = jnp.cumprod(alpha, axis=0)                                  # prod_{j<=k} alpha_j
+  if loss == "e2e_tv":
+    value = _masked_mean(1.0 - jnp.einsum("k,kbt->bt", w, prods), chain_mask)
+  elif loss == "tv":
+    value = jnp.sum(w * jnp.stack([_masked_mean(tv[k], masks[k]) for k in range(k_steps)]))
+  elif loss == "ce":
+    value = jnp.sum(w * jnp.stack([_masked_mean(ce[k], masks[k]) for k in range(k_steps)]))
+  else:  # kl
+    kl = kl_divergence(target, draft)
+    value = jnp.sum(w * jnp.stack([_masked_mean(kl[k], masks[k]) for k in range(k_steps)]))
+
+  metrics = {"loss": value, "positions": jnp.sum(chain_mask)}
+  sg = jax.lax.stop_gradient
+  kl_metric = kl_divergence(target, sg(draft))
+  for k in range(k_steps):
+    metrics[f"alpha_{k + 1}"] = _masked_mean(sg(alpha[k]), masks[k])
+    metrics[f"tv_{k + 1}"] = _masked_mean(sg(tv[k]), masks[k])
+    metrics[f"kl_{k + 1}"] = _masked_mean(kl_metric[k], masks[k])
+    metrics[f"ce_{k + 1}"] = _masked_mean(sg(ce[k]), masks[k])
+  metrics["expected_accepted_length"] = _masked_mean(
+      expected_accepted_length(sg(alpha)), chain_mask)
+  return value, metrics
