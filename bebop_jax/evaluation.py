@@ -24,7 +24,7 @@ from bebop_jax import tasks as tasks_lib
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import autoregressive, multi_turn, sampling, speculative
 
-PROMPT_BUCKETS = (64, 128, 256, 512, 1024)
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
 # Generates for a batch of token contexts: (contexts, stop_tokens, max_new_tokens, rng) ->
 # (list of generated token lists, each including its stop token if one was emitted).
@@ -42,7 +42,8 @@ def bucket(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
 
 
 def autoregressive_generate_fn(graphdef: nnx.GraphDef, state: nnx.State, batch_size: int,
-                               params: sampling.SamplingParams) -> GenerateFn:
+                               params: sampling.SamplingParams,
+                               prompt_buckets: Sequence[int] = PROMPT_BUCKETS) -> GenerateFn:
   """A GenerateFn over plain autoregressive decoding with fixed batch size and buckets."""
   tok = get_tokenizer()
 
@@ -50,7 +51,7 @@ def autoregressive_generate_fn(graphdef: nnx.GraphDef, state: nnx.State, batch_s
     results = []
     for start in range(0, len(contexts), batch_size):
       chunk = list(contexts[start:start + batch_size])
-      p = bucket(max(len(c) for c in chunk))
+      p = bucket(max(len(c) for c in chunk), prompt_buckets)
       rows = chunk + [[tok.bos_id]] * (batch_size - len(chunk))  # pad the batch
       prompt = np.zeros((batch_size, p), np.int32)
       for i, ctx in enumerate(rows):
@@ -74,10 +75,13 @@ class SpeculativeSampler:
 
   def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, batch_size: int,
                params: sampling.SamplingParams, mode: str | None = None,
-               num_draft_steps: int | None = None):
+               num_draft_steps: int | None = None,
+               prompt_buckets: Sequence[int] = PROMPT_BUCKETS):
     self.graphdef, self.state, self.batch_size, self.params = graphdef, state, batch_size, params
     self.mode = mode or ("exact" if params.greedy else "rejection")
     self.num_draft_steps = num_draft_steps
+    self.prompt_buckets = tuple(prompt_buckets)
+    self.max_context = self.prompt_buckets[-1]
     k = num_draft_steps or nnx.merge(graphdef, state).config.num_draft_steps
     self.stats = multi_turn.RolloutStats(np.zeros(k, np.int64), np.zeros(k, np.int64))
 
@@ -89,7 +93,7 @@ class SpeculativeSampler:
     results = []
     for start in range(0, len(contexts), self.batch_size):
       chunk = list(contexts[start:start + self.batch_size])
-      p = bucket(max(len(c) for c in chunk))
+      p = bucket(max(len(c) for c in chunk), self.prompt_buckets)
       rows = chunk + [[tok.bos_id]] * (self.batch_size - len(chunk))
       prompt = np.zeros((self.batch_size, p), np.int32)
       for i, ctx in enumerate(rows):
@@ -115,7 +119,7 @@ class SpeculativeSampler:
         [task.environment(ex) for ex in examples], rng, batch_size=self.batch_size,
         max_new_tokens=max_new_tokens,
         params=self.params, mode=self.mode, stop_tokens=(tok.eos_id, tok.call_end_id),
-        max_turns=task.max_turns, prompt_buckets=PROMPT_BUCKETS,
+        max_turns=task.max_turns, prompt_buckets=self.prompt_buckets,
         num_draft_steps=self.num_draft_steps, stats=self.stats)
     return [ep.reward for ep in eps]
 
@@ -159,7 +163,8 @@ def evaluate_agentic(task, examples: Sequence[tasks_lib.Example], generate: Gene
       else:
         still.append(i)
     active = [i for i in still
-              if len(tok.encode(examples[i].prompt + transcripts[i])) + 1 < PROMPT_BUCKETS[-1]]
+              if len(tok.encode(examples[i].prompt + transcripts[i])) + 1 < getattr(
+                  generate, "max_context", PROMPT_BUCKETS[-1])]
   return rewards
 
 

@@ -138,3 +138,12 @@ def test_bad_mode_and_shapes_are_clear_errors():
     verify_lib.verify(jax.random.key(0), d, q, p, "typical")
   with pytest.raises(ValueError, match="want \\[B, K\\+1, V\\]"):
     verify_lib.verify(jax.random.key(0), d, q, q, "rejection")
+
+
+def test_public_verify_is_the_package_function():
+  import bebop_jax.decoding  # pylint: disable=g-import-not-at-top
+  assert bebop_jax.decoding.verify is verify_lib.verify
+  n, nxt = bebop_jax.decoding.verify(
+      jax.random.key(0), jnp.zeros((2, 3), jnp.int32), jnp.full((2, 3, 4), 0.25),
+      jnp.full((2, 4, 4), 0.25), "rejection")
+  assert n.shape == (2,) and nxt.shape == (2,) and (np.asarray(n) == 3).all()

@@ -41,6 +41,41 @@ def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Arra
   return seq, generated
 
 
+def _per_position(model, sequences, generated, params, mode):
+  """alphas [K, B, T] (per-draft acceptance of depth k's draft at start i), masks [K, B, T]
+  (i is a frontier candidate and x_{i+k+1} is generated), target entropy [K, B, T] of the
+  transformed p_{i+k} (nats)."""
+  valid_tokens = (sequences > 0) | generated
+  segment_ids = valid_tokens.astype(jnp.int32)
+  out = model(sequences, segment_ids=segment_ids)
+  logp = sampling.sampling_logprobs(out["logits"], params)                  # p_i
+  target = jnp.exp(logp)
+  ent = -jnp.sum(jnp.where(target > 0, target * logp, 0.0), axis=-1)        # [B, T]
+  k_steps = out["mtp_logits"].shape[0]
+  alphas, entropies = [], []
+  for k in range(1, k_steps + 1):
+    q = jnp.exp(sampling.sampling_logprobs(out["mtp_logits"][k - 1], params))   # q_i^k
+    p_shift = jnp.concatenate([target[:, k:], jnp.zeros_like(target[:, :k])], axis=1)
+    alphas.append(verify_lib.per_draft_acceptance(q, p_shift, mode))
+    entropies.append(shift_left(ent, k))
+  # i is a frontier candidate when x_{i+1} is generated; depth k needs x_{i+k+1} generated.
+  masks = jnp.stack([shift_left(generated, k + 1) & shift_left(generated, 1)
+                     for k in range(1, k_steps + 1)]) & out["mtp_mask"]
+  return jnp.stack(alphas), masks, jnp.stack(entropies)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "mode"))
+def acceptance_by_position(graphdef: nnx.GraphDef, state: nnx.State, sequences: jax.Array,
+                           generated: jax.Array, *, params: sampling.SamplingParams,
+                           mode: str) -> dict[str, jax.Array]:
+  """{"alpha", "mask", "entropy"}, each [K, B, T]: depth k's per-draft acceptance at start
+  position i, whether it counts, and the entropy of the target p_{i+k} it is scored against
+  (after the sampling transform). For acceptance-against-entropy plots."""
+  alphas, masks, ent = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
+                                     mode)
+  return {"alpha": alphas, "mask": masks, "entropy": ent}
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "mode"))
 def teacher_forced_acceptance(graphdef: nnx.GraphDef, state: nnx.State, sequences: jax.Array,
                               generated: jax.Array, frontier_depths: jax.Array | None = None,
@@ -59,21 +94,9 @@ def teacher_forced_acceptance(graphdef: nnx.GraphDef, state: nnx.State, sequence
     Position i (a frontier candidate: i+1 generated) counts for depth k when i+k+1 is still
     in the sequence.
   """
-  model = nnx.merge(graphdef, state)
-  valid_tokens = (sequences > 0) | generated
-  segment_ids = valid_tokens.astype(jnp.int32)
-  out = model(sequences, segment_ids=segment_ids)
-  target = jnp.exp(sampling.sampling_logprobs(out["logits"], params))        # p_i
-  k_steps = out["mtp_logits"].shape[0]
-  alphas = []
-  for k in range(1, k_steps + 1):
-    q = jnp.exp(sampling.sampling_logprobs(out["mtp_logits"][k - 1], params))   # q_i^k
-    p_shift = jnp.concatenate([target[:, k:], jnp.zeros_like(target[:, :k])], axis=1)
-    alphas.append(verify_lib.per_draft_acceptance(q, p_shift, mode))
-  alphas = jnp.stack(alphas)                                              # [K, B, T]
-  # i is a frontier candidate when x_{i+1} is generated; depth k needs x_{i+k+1} generated.
-  masks = jnp.stack([shift_left(generated, k + 1) & shift_left(generated, 1)
-                     for k in range(1, k_steps + 1)]) & out["mtp_mask"]
+  alphas, masks, _ = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
+                                   mode)
+  k_steps = alphas.shape[0]
   reach = jnp.concatenate([jnp.ones_like(alphas[:1]), jnp.cumprod(alphas, axis=0)[:-1]])
   w = reach * masks
   m = masks.astype(jnp.float32)

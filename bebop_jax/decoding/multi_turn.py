@@ -24,7 +24,7 @@ from flax import nnx
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import sampling, speculative
 
-REPLY_BUCKETS = (16, 32, 64, 128, 256)
+REPLY_BUCKETS = (32, 64, 128, 256)
 
 
 def bucket(length: int, buckets: Sequence[int]) -> int:

@@ -47,7 +47,8 @@ class SpeculativeOutput:
   policy sampled the token, False for replies and padding), logprobs [B, N] (target sampling
   distribution; 0 where not sampled), entropy [B, N] (raw target, nats), attempted /
   accepted [B, K] (drafts at depth k verified / accepted; depth k is attempted when depths
-  < k were accepted), frontier_depths [B, P + N] (at each position n where a draft phase ran:
+  < k were accepted and the token it decides is emitted, i.e. not past a stop token or the
+  length limit), frontier_depths [B, P + N] (at each position n where a draft phase ran:
   how many depths were verified there, for the self-consistency diagnostic); per call:
   target_forwards (verification forwards after the prefill, summed over calls)."""
   tokens: jax.Array
@@ -203,17 +204,21 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
     slots = jnp.where(valid, o.lengths[:, None] + idx, max_new_tokens)  # dropped if invalid
     emitted_logp = jnp.take_along_axis(t_logp, emitted[..., None], axis=-1)[..., 0]
     emitted_ent = sampling.entropy(t_logits)
+    # Depth j decides emitted token j-1, so it counts as attempted (accepted) only when that
+    # token is emitted: drafts past a stop token or the length limit decide nothing.
     depth_idx = jnp.arange(k)[None, :]
+    attempted_depths = jnp.minimum(num_acc + 1, count)
+    accepted_depths = jnp.minimum(num_acc, count)
     out = o.replace(
         tokens=o.tokens.at[rows[:, None], slots].set(emitted, mode="drop"),
         policy_mask=o.policy_mask.at[rows[:, None], slots].set(True, mode="drop"),
         logprobs=o.logprobs.at[rows[:, None], slots].set(emitted_logp, mode="drop"),
         entropy=o.entropy.at[rows[:, None], slots].set(emitted_ent, mode="drop"),
         lengths=o.lengths + count,
-        attempted=o.attempted + (active[:, None] & (depth_idx <= num_acc[:, None])),
-        accepted=o.accepted + (active[:, None] & (depth_idx < num_acc[:, None])),
+        attempted=o.attempted + (depth_idx < attempted_depths[:, None]),
+        accepted=o.accepted + (depth_idx < accepted_depths[:, None]),
         frontier_depths=o.frontier_depths.at[rows, jnp.where(active, n, buf_len)].set(
-            jnp.minimum(num_acc + 1, k), mode="drop"),
+            jnp.minimum(attempted_depths, k), mode="drop"),
         target_forwards=o.target_forwards + 1)
     # Committed tokens by position (only the emitted ones; drafts past them are scratch).
     positions = jnp.where(valid, n[:, None] + 2 + idx, buf_len)

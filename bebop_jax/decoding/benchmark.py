@@ -1,0 +1,125 @@
+"""Autoregressive against speculative decoding on the same prompts, one model, one process.
+
+`run_benchmark` measures, per batch size, temperature and verification mode: tokens/s of both
+loops over the same held-out prompts (all tasks mixed; a batch of 1 decodes them one after
+another), the speed ratio, tokens per target forward, and per-depth acceptance online and
+teacher-forced at the visited frontiers (the self-consistency diagnostic). Both loops stop at
+end of sequence or end of a tool call (one policy turn). Each loop is compiled and warmed up
+before timing; the best of `repeats` passes is kept. Used by experiments/bench_decode.py and
+the evaluation stage.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import get_tokenizer, pipeline
+from bebop_jax.decoding import autoregressive, diagnostics, sampling, speculative
+from bebop_jax.evaluation import bucket
+
+
+def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """max(batch, num_prompts) held-out prompts of all tasks (shuffled, cycled if needed) in
+  batches of `batch` rows, each right-padded to its prompt bucket (as a server buckets
+  requests; each loop compiles once per bucket, before timing)."""
+  tok = get_tokenizer()
+  examples = []
+  for name in tasks_lib.TASK_NAMES:
+    if config.data.tasks[name].weight > 0:
+      examples += pipeline.eval_examples(config.data, name, 64)
+  order = np.random.default_rng(0).permutation(len(examples))
+  total = -(-max(batch, num_prompts) // batch) * batch
+  ids = [tok.encode(examples[order[i % len(order)]].prompt, add_bos=True)
+         for i in range(total)]
+  batches = []
+  for start in range(0, total, batch):
+    rows = ids[start:start + batch]
+    p = bucket(max(len(x) for x in rows), prompt_buckets or tuple(config.eval.prompt_buckets))
+    tokens = np.zeros((batch, p), np.int32)
+    for i, x in enumerate(rows):
+      tokens[i, :len(x)] = x
+    batches.append((tokens, np.array([len(x) for x in rows], np.int32)))
+  return batches
+
+
+def best_time(fn, batches, repeats: int):
+  """Best total wall time over `repeats` passes over all batches, after a warm-up pass;
+  returns (seconds, outputs of the last pass)."""
+  shapes = {}
+  for tokens, lengths in batches:
+    shapes.setdefault(tokens.shape, (tokens, lengths))
+  for tokens, lengths in shapes.values():  # compile + warm up every bucket
+    jax.block_until_ready(fn(tokens, lengths, 0))
+  best, outs = float("inf"), []
+  for r in range(repeats):
+    start = time.perf_counter()
+    outs = [jax.block_until_ready(fn(tokens, lengths, 1000 * r + i))
+            for i, (tokens, lengths) in enumerate(batches)]
+    best = min(best, time.perf_counter() - start)
+  return best, outs
+
+
+def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
+                  repeats, num_prompts=32) -> list[dict]:
+  """All measurements as a list of row dicts."""
+  # Stop where a real rollout turn stops (end of sequence, end of a tool call); both loops
+  # stop on the same tokens.
+  tok = get_tokenizer()
+  stop = (tok.eos_id, tok.call_end_id)
+  results = []
+  for b in batch_sizes:
+    batches = prompt_batches(config, b, num_prompts)
+    for t in temperatures:
+      params = sampling.SamplingParams(temperature=t)
+      ar_time, ar = best_time(lambda tokens, lengths, seed: autoregressive.generate(
+          graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
+          cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop), batches, repeats)
+      ar_tokens = sum(int(np.asarray(o.lengths).sum()) for o in ar)
+      ar_forwards = sum(int(o.target_forwards) for o in ar)
+      for mode in (["exact"] if t == 0 else modes):
+        sp_time, sp = best_time(lambda tokens, lengths, seed: speculative.generate(
+            graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
+            cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode, stop_tokens=stop),
+                                 batches, repeats)
+        sp_tokens = sum(int(np.asarray(o.lengths).sum()) for o in sp)
+        att = sum(np.asarray(o.attempted).sum(0) for o in sp)
+        acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
+        expected, visits = 0.0, 0.0
+        for (tokens, lengths), o in zip(batches, sp):
+          seq, gen = diagnostics.sequences_from_generation(tokens, lengths, o.tokens, o.lengths)
+          tf = diagnostics.teacher_forced_acceptance(
+              graphdef, state, seq, gen, o.frontier_depths, params=params, mode=mode)
+          expected = expected + np.asarray(tf["expected_accepted"])
+          visits = visits + np.asarray(tf["visits"])
+        row = {
+            "batch": b, "prompts": len(batches) * b, "temperature": t, "mode": mode,
+            "ar_tokens_per_s": ar_tokens / ar_time,
+            "spec_tokens_per_s": sp_tokens / sp_time,
+            "speedup": (sp_tokens / sp_time) / (ar_tokens / ar_time),
+            "tokens_per_target_forward": float((att[0] + acc.sum()) / max(att[0], 1)),
+            "acceptance_online": (acc / np.maximum(att, 1)).tolist(),
+            "acceptance_teacher_forced": (expected / np.maximum(visits, 1)).tolist(),
+            "ar_seconds": ar_time, "spec_seconds": sp_time,
+            "ar_tokens": ar_tokens, "spec_tokens": sp_tokens,
+            "ar_target_forwards": ar_forwards,
+            "spec_target_forwards": sum(int(o.target_forwards) for o in sp),
+        }
+        results.append(row)
+        print(format_row(row), flush=True)
+  return results
+
+
+def format_row(r: dict) -> str:
+  acc = "/".join(f"{a:.2f}" for a in r["acceptance_online"])
+  tf = "/".join(f"{a:.2f}" for a in r["acceptance_teacher_forced"])
+  return (f"| {r['batch']:>5} | {r['prompts']:>3} | {r['temperature']:>4g} | {r['mode']:<12} | "
+          f"{r['ar_tokens_per_s']:>9.1f} | {r['spec_tokens_per_s']:>9.1f} | "
+          f"{r['speedup']:>5.2f}x | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |")
+
+
+HEADER = ("| batch | prompts | temp | mode         |  AR tok/s | spec tok/s | ratio | tok/fwd | "
+          "acceptance online | teacher-forced |\n|---|---|---|---|---|---|---|---|---|---|")
