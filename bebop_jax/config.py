@@ -19,7 +19,7 @@ from bebop_jax import tasks as tasks_lib
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.model import config as model_config
 
-STAGES = ("data", "sft")  # stages of bebop_jax.main, run in this order
+STAGES = ("data", "sft", "mtp", "eval")  # stages of bebop_jax.main, run in this order
 
 
 class ConfigError(ValueError):
@@ -95,6 +95,31 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.train = loop_defaults()
   c.sft.mtp_loss_weight = 0.3  # lambda of the joint MTP cross-entropy; 0 = off
 
+  # MTP stage (bebop_jax.train.mtp): the drafter trained on the frozen SFT policy's rollouts.
+  c.mtp = ml_collections.ConfigDict()
+  c.mtp.loss = "e2e_tv"            # bebop_jax.losses.mtp.LOSSES
+  c.mtp.depth_weights = ()         # K weights of the per-depth terms; () = uniform
+  c.mtp.tv_implementation = "auto"  # or one of pallas_kernels.tv_loss.IMPLEMENTATIONS
+  c.mtp.temperature = 1.0          # rollouts are sampled, and distributions compared, at this
+  c.mtp.init_from = ""             # workdir holding the SFT stage; "" = this workdir
+  c.mtp.reinit = False             # re-initialise the MTP modules: learn the drafter from scratch
+  c.mtp.batch_size = 16            # packed rows of data.seq_len per step
+  c.mtp.eval_modes = ("rejection", "greedy_draft")
+  c.mtp.eval_before = True         # also measure the SFT drafter, for comparison
+  c.mtp.data = ml_collections.ConfigDict()
+  c.mtp.data.num_prompts = 1024    # training prompts (split over tasks by data weights)
+  c.mtp.data.max_new_tokens = 160  # completion budget of a rollout (replies included)
+  c.mtp.data.batch_size = 64       # rollout batch
+  c.mtp.optim = optim_defaults(learning_rate=2e-3, warmup_steps=20, trainable="mtp")
+  c.mtp.train = loop_defaults(num_steps=300, log_every=25, checkpoint_every=100)
+
+  # Evaluation stage (bebop_jax.report): decode speed and acceptance against entropy.
+  c.report = ml_collections.ConfigDict()
+  c.report.batch_sizes = (1, 8)    # speculative vs autoregressive wall clock at these
+  c.report.num_prompts = 32        # held-out prompts per measurement (batch 1: one by one)
+  c.report.repeats = 2             # timed passes (best kept)
+  c.report.entropy_temperatures = (1.0, 1.5, 2.0)  # re-scoring temperatures for the fit
+
   # Evaluation by sampling: pass@1 per task at each temperature.
   c.eval = ml_collections.ConfigDict()
   c.eval.num_examples = 64
@@ -103,6 +128,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.max_new_tokens = 160
   c.eval.top_k = 0
   c.eval.top_p = 1.0
+  # Prompts (and contexts) are right-padded to the smallest of these: one compile per bucket.
+  c.eval.prompt_buckets = (16, 32, 64, 128, 256, 512, 1024)
   return c
 
 
@@ -185,13 +212,23 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   batch_axes = dict(config.mesh.rules).get("batch") or ()
   batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
   data_parallel = math.prod(mesh_sizes.get(a, 1) for a in batch_axes)
-  if config.data.batch_size % data_parallel:
-    _fail("data.batch_size", config.data.batch_size,
-          f"must be a multiple of the data-parallel size {data_parallel} (mesh axes "
-          f"{batch_axes} of mesh {mesh_sizes})")
+  for key in ("data.batch_size", "mtp.batch_size"):
+    if _get(config, key) % data_parallel:
+      _fail(key, _get(config, key),
+            f"must be a multiple of the data-parallel size {data_parallel} (mesh axes "
+            f"{batch_axes} of mesh {mesh_sizes})")
   _validate_training(config, "sft")
   if not isinstance(config.sft.mtp_loss_weight, (int, float)) or config.sft.mtp_loss_weight < 0:
     _fail("sft.mtp_loss_weight", config.sft.mtp_loss_weight, "must be a number >= 0")
+  _validate_mtp(config)
+  r = config.report
+  if not r.batch_sizes or any(not isinstance(b, int) or b < 1 for b in r.batch_sizes):
+    _fail("report.batch_sizes", r.batch_sizes, "must be a non-empty tuple of positive ints")
+  for key in ("report.num_prompts", "report.repeats"):
+    _positive_int(config, key)
+  temps = r.entropy_temperatures
+  if not temps or any(not isinstance(t, (int, float)) or t <= 0 for t in temps):
+    _fail("report.entropy_temperatures", temps, "must be a non-empty tuple of numbers > 0")
   for key in ("eval.num_examples", "eval.batch_size", "eval.max_new_tokens"):
     _positive_int(config, key)
   temps = config.eval.temperatures
@@ -199,13 +236,53 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("eval.temperatures", temps, "must be a non-empty tuple of numbers >= 0")
   if not isinstance(config.eval.top_k, int) or config.eval.top_k < 0:
     _fail("eval.top_k", config.eval.top_k, "must be an int >= 0 (0 = off)")
+  pb = tuple(config.eval.prompt_buckets)
+  if not pb or any(not isinstance(b, int) or b < 1 for b in pb) or list(pb) != sorted(set(pb)):
+    _fail("eval.prompt_buckets", config.eval.prompt_buckets,
+          "must be a non-empty increasing tuple of positive ints")
   if not 0 < config.eval.top_p <= 1:
     _fail("eval.top_p", config.eval.top_p, "must be in (0, 1]")
   _positive_int(config, "preview.examples_per_task")
   return config
 
 
-def _validate_training(config: ml_collections.ConfigDict, stage: str) -> None:
+def _validate_mtp(config: ml_collections.ConfigDict) -> None:
+  """The mtp section."""
+  from bebop_jax.losses import mtp as mtp_losses  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import tv_loss  # pylint: disable=g-import-not-at-top
+  m = config.mtp
+  if m.loss not in mtp_losses.LOSSES:
+    _fail("mtp.loss", m.loss, f"one of {mtp_losses.LOSSES}")
+  k = config.model.num_draft_steps
+  w = tuple(m.depth_weights)
+  if w and (len(w) != k or any(not isinstance(x, (int, float)) or x < 0 for x in w)
+            or sum(w) <= 0):
+    _fail("mtp.depth_weights", m.depth_weights,
+          f"() or {k} numbers >= 0 (one per depth, model.num_draft_steps={k}) with a "
+          "positive sum")
+  if m.tv_implementation not in ("auto",) + tuple(tv_loss.IMPLEMENTATIONS):
+    _fail("mtp.tv_implementation", m.tv_implementation,
+          f"one of {('auto',) + tuple(tv_loss.IMPLEMENTATIONS)}")
+  if not isinstance(m.temperature, (int, float)) or m.temperature <= 0:
+    _fail("mtp.temperature", m.temperature, "must be a number > 0")
+  if not isinstance(m.init_from, str):
+    _fail("mtp.init_from", m.init_from, "must be a path ('' = this workdir)")
+  modes = tuple(m.eval_modes)
+  allowed = ("rejection", "greedy_draft", "strict")
+  if not modes or any(x not in allowed for x in modes):
+    _fail("mtp.eval_modes", m.eval_modes, f"a non-empty tuple from {allowed}")
+  if not isinstance(m.reinit, bool):
+    _fail("mtp.reinit", m.reinit, "must be True or False")
+  if not isinstance(m.eval_before, bool):
+    _fail("mtp.eval_before", m.eval_before, "must be True or False")
+  for key in ("mtp.batch_size", "mtp.data.num_prompts", "mtp.data.max_new_tokens",
+              "mtp.data.batch_size"):
+    _positive_int(config, key)
+  _validate_training(config, "mtp", batch_key="mtp.batch_size")
+
+
+def _validate_training(config: ml_collections.ConfigDict, stage: str,
+                       batch_key: str = "data.batch_size") -> None:
   """The optim and train sections of one training stage."""
   from bebop_jax.train import optimizer  # pylint: disable=g-import-not-at-top
   o = config[stage].optim
@@ -227,9 +304,9 @@ def _validate_training(config: ml_collections.ConfigDict, stage: str) -> None:
     _fail(f"{stage}.train.stop_at_step", t.stop_at_step, "must be an int >= 0 (0 = off)")
   if not isinstance(t.eval_every, int) or t.eval_every < 0:
     _fail(f"{stage}.train.eval_every", t.eval_every, "must be an int >= 0 (0 = at the end)")
-  if config.data.batch_size % t.grad_accum_steps:
+  if _get(config, batch_key) % t.grad_accum_steps:
     _fail(f"{stage}.train.grad_accum_steps", t.grad_accum_steps,
-          f"must divide data.batch_size={config.data.batch_size}")
+          f"must divide {batch_key}={_get(config, batch_key)}")
 
 
 def _validate_mesh(mesh_cfg: ml_collections.ConfigDict) -> dict[str, int]:

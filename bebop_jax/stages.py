@@ -58,15 +58,34 @@ def sft_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
   sft.run(config, workdir)
 
 
+def mtp_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """MTP drafter training on the frozen SFT policy's rollouts (bebop_jax.train.mtp)."""
+  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
+  mtp.run(config, workdir)
+
+
+def eval_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Decode speed, acceptance against entropy, summary.json, plots and report.md."""
+  from bebop_jax import report  # pylint: disable=g-import-not-at-top
+  report.run(config, workdir)
+
+
 STAGE_FNS: dict[str, Callable[[ml_collections.ConfigDict, str], None]] = {
     "data": data_stage,
     "sft": sft_stage,
+    "mtp": mtp_stage,
+    "eval": eval_stage,
 }
 assert tuple(STAGE_FNS) == config_lib.STAGES
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Runs the config's stages in the canonical order."""
+  from bebop_jax import report  # pylint: disable=g-import-not-at-top
+  timing = {"started_at": time.time()}
   for name in config_lib.STAGES:
     if name in config.stages:
+      start = time.perf_counter()
       STAGE_FNS[name](config, workdir)
+      timing[f"{name}_s"] = time.perf_counter() - start
+      report.write_timing(workdir, timing)  # the eval stage reports the earlier stages

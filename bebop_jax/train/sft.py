@@ -71,7 +71,8 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
     params = nnx.merge_state(state.trainable, state.frozen)
     fns = {t: evaluation.autoregressive_generate_fn(
         graphdef, params, e.batch_size,
-        sampling.SamplingParams(temperature=t, top_k=e.top_k, top_p=e.top_p))
+        sampling.SamplingParams(temperature=t, top_k=e.top_k, top_p=e.top_p),
+        prompt_buckets=tuple(e.prompt_buckets))
            for t in e.temperatures}
     start = time.perf_counter()
     results = evaluation.evaluate_tasks(fns, examples, task_objs, seed=config.seed,

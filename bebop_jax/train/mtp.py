@@ -1,0 +1,472 @@
+"""MTP stage: train the drafter on the frozen SFT policy's own rollouts, then measure it.
+
+1. Load the SFT policy (from `mtp.init_from`, default this workdir) and freeze everything
+   but the MTP modules (`mtp.optim.trainable`, "mtp" by default).
+2. Self-distillation data: sample the policy at `mtp.temperature` on training prompts of every
+   task (the agentic ones with the environment in the loop), with speculative decoding, which
+   samples exactly the policy's distribution. Prompt, policy turns and tool replies form one
+   sequence; the loss targets are the policy's tokens. Sequences are packed into rows of
+   data.seq_len. The rollouts are cached under the SFT workdir (mtp_data/), keyed by the
+   settings, so every loss of a sweep trains on the same data.
+3. Train with `mtp.loss` (ce, kl, tv, e2e_tv; bebop_jax.losses.mtp), the trunk's forward
+   under stop-gradient.
+4. Evaluate on held-out prompts: teacher-forced per-depth acceptance on held-out rollouts
+   (plain mean over positions and weighted by the probability of reaching the depth, as
+   online decoding visits them), and online speculative decoding at `mtp.temperature` in every
+   `mtp.eval_modes`: per-depth acceptance, tokens per target forward and pass@1. The SFT
+   drafter (before this stage) is measured the same way for comparison.
+
+Workdir layout: <workdir>/mtp/checkpoints (orbax: MTP parameters, optimizer, data iterator),
+<workdir>/mtp/summary.json when complete; metrics in <workdir>/metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from bebop_jax import evaluation
+from bebop_jax import sharding
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import pipeline
+from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.decoding import diagnostics, multi_turn, sampling
+from bebop_jax.losses import mtp as mtp_losses
+from bebop_jax.model import model as policy_lib
+from bebop_jax.model.config import ModelConfig
+from bebop_jax.tasks.agentic import StepResult
+from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import optimizer as optimizer_lib
+from bebop_jax.train import sft
+from bebop_jax.train import trainer
+
+STAGE = "mtp"
+_ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+
+
+def stage_dir(workdir: str) -> str:
+  return os.path.join(workdir, STAGE)
+
+
+def read_summary(workdir: str) -> dict[str, Any] | None:
+  """The completed stage's summary, or None."""
+  path = os.path.join(stage_dir(workdir), "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def sft_workdir(config: ml_collections.ConfigDict, workdir: str) -> str:
+  return os.path.abspath(os.path.expanduser(config.mtp.init_from)) if config.mtp.init_from \
+      else workdir
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+class _OneTurnEnvironment:
+  """A single-turn task as an environment: the first turn ends the episode with its reward."""
+
+  def __init__(self, task: tasks_lib.Task, example: tasks_lib.Example):
+    self.task, self.example = task, example
+
+  def step(self, text: str) -> StepResult:
+    return StepResult("", True, float(self.task.reward(self.example, text)), 1)
+
+
+def _environment(task: tasks_lib.Task, example: tasks_lib.Example):
+  return task.environment(example) if task.multi_turn else _OneTurnEnvironment(task, example)
+
+
+def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
+                    examples: dict[str, Sequence[tasks_lib.Example]],
+                    task_objs: dict[str, tasks_lib.Task], rng: jax.Array, *,
+                    temperature: float, max_new_tokens: int, batch_size: int, mode: str,
+                    prompt_buckets: Sequence[int] = evaluation.PROMPT_BUCKETS,
+                    stats: multi_turn.RolloutStats | None = None
+                    ) -> dict[str, list[tuple[list[int], multi_turn.Episode]]]:
+  """{task: [(prompt ids, episode)]}: one speculative rollout per example."""
+  tok = get_tokenizer()
+  params_s = sampling.SamplingParams(temperature=temperature)
+  out = {}
+  for name, exs in examples.items():
+    task = task_objs[name]
+    prompts = [tok.encode(ex.prompt, add_bos=True) for ex in exs]
+    rng, key = jax.random.split(rng)
+    eps = multi_turn.speculative_episodes(
+        graphdef, params, prompts, [_environment(task, ex) for ex in exs], key,
+        batch_size=batch_size, max_new_tokens=max_new_tokens, params=params_s, mode=mode,
+        stop_tokens=(tok.eos_id, tok.call_end_id) if task.multi_turn else (tok.eos_id,),
+        max_turns=getattr(task, "max_turns", 1), prompt_buckets=prompt_buckets,
+        stats=stats)
+    out[name] = list(zip(prompts, eps))
+  return out
+
+
+def pack_rows(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int
+              ) -> dict[str, np.ndarray]:
+  """First-fit packing of (tokens, loss_mask) sequences into rows [R, seq_len] with segment
+  ids (1, 2, ... per sequence; 0 = padding) and per-sequence positions. Longer sequences are
+  cut to seq_len."""
+  rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+  free: list[int] = []
+  for tokens, mask in sorted(sequences, key=lambda s: -len(s[0])):
+    tokens, mask = tokens[:seq_len], mask[:seq_len]
+    for r, room in enumerate(free):
+      if room >= len(tokens):
+        rows[r].append((tokens, mask))
+        free[r] -= len(tokens)
+        break
+    else:
+      rows.append([(tokens, mask)])
+      free.append(seq_len - len(tokens))
+  out = {k: np.zeros((len(rows), seq_len), np.int32) for k in _ROW_KEYS}
+  for r, row in enumerate(rows):
+    at = 0
+    for seg, (tokens, mask) in enumerate(row, start=1):
+      n = len(tokens)
+      out["tokens"][r, at:at + n] = tokens
+      out["loss_mask"][r, at:at + n] = mask
+      out["segment_ids"][r, at:at + n] = seg
+      out["positions"][r, at:at + n] = np.arange(n)
+      at += n
+  return out
+
+
+def rollout_sequences(rollouts) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(tokens, loss_mask) per rollout: prompt + completion; targets are the policy's tokens."""
+  seqs = []
+  for pairs in rollouts.values():
+    for prompt, ep in pairs:
+      tokens = np.asarray(list(prompt) + ep.tokens, np.int32)
+      mask = np.asarray([0] * len(prompt) + [int(m) for m in ep.policy_mask], np.int32)
+      seqs.append((tokens, mask))
+  return seqs
+
+
+def _data_key(config: ml_collections.ConfigDict, split: str, num: int) -> str:
+  m, d = config.mtp, config.data
+  blob = json.dumps({"split": split, "num": num, "temperature": m.temperature,
+                     "max_new_tokens": m.data.max_new_tokens, "seed": config.seed,
+                     "tasks": d.tasks.to_dict(), "data_seed": d.seed,
+                     "num_train": d.num_train, "num_test": d.num_test}, sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _examples(config, split: str, per_task: dict[str, int]) -> dict[str, list]:
+  return {n: pipeline.eval_examples(config.data, n, k, split=split) for n, k in per_task.items()}
+
+
+def _per_task(config, total: int) -> dict[str, int]:
+  names = [n for n in tasks_lib.TASK_NAMES if config.data.tasks[n].weight > 0]
+  weights = np.array([config.data.tasks[n].weight for n in names], float)
+  counts = np.maximum(1, np.round(total * weights / weights.sum())).astype(int)
+  return dict(zip(names, counts.tolist()))
+
+
+def self_distillation_data(config: ml_collections.ConfigDict, graphdef, params, data_dir: str,
+                           split: str, per_task: dict[str, int]) -> dict[str, Any]:
+  """Cached rollouts of the policy on `split` prompts: {"sequences": [(tokens, mask)], ...}.
+  Written atomically (tmp + rename), so an interrupted run regenerates, never half-reads."""
+  os.makedirs(data_dir, exist_ok=True)
+  path = os.path.join(data_dir, f"{split}_{_data_key(config, split, sum(per_task.values()))}"
+                                f".npz")
+  if os.path.exists(path):
+    with np.load(path) as f:
+      tokens, masks, lengths = f["tokens"], f["loss_mask"], f["lengths"]
+      meta = json.loads(str(f["meta"]))
+    return {"sequences": [(tokens[i, :n], masks[i, :n]) for i, n in enumerate(lengths)],
+            "cached": True, **meta}
+  start = time.perf_counter()
+  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task}
+  m = config.mtp
+  rollouts = sample_rollouts(
+      graphdef, params, _examples(config, split, per_task), task_objs,
+      jax.random.key(config.seed + (17 if split == "train" else 29)),
+      temperature=m.temperature, max_new_tokens=m.data.max_new_tokens,
+      batch_size=m.data.batch_size, mode="rejection",
+      prompt_buckets=tuple(config.eval.prompt_buckets))
+  seqs = rollout_sequences(rollouts)
+  meta = {"seconds": time.perf_counter() - start,
+          "reward": {n: float(np.mean([ep.reward for _, ep in r])) for n, r in rollouts.items()},
+          "policy_tokens": int(sum(int(mask.sum()) for _, mask in seqs))}
+  longest = max(len(t) for t, _ in seqs)
+  tokens = np.zeros((len(seqs), longest), np.int32)
+  masks = np.zeros_like(tokens)
+  for i, (t, mk) in enumerate(seqs):
+    tokens[i, :len(t)], masks[i, :len(t)] = t, mk
+  tmp = path + ".tmp.npz"
+  np.savez(tmp, tokens=tokens, loss_mask=masks, lengths=np.array([len(t) for t, _ in seqs]),
+           meta=json.dumps(meta))
+  os.replace(tmp, path)
+  return {"sequences": seqs, "cached": False, **meta}
+
+
+class _Rows:
+  """A grain source over packed rows."""
+
+  def __init__(self, rows: dict[str, np.ndarray]):
+    self.rows = rows
+
+  def __len__(self):
+    return len(self.rows["tokens"])
+
+  def __getitem__(self, i):
+    return {k: v[i] for k, v in self.rows.items()}
+
+
+def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int) -> grain.IterDataset:
+  """Endless shuffled batches of packed rows (checkpointable iterator)."""
+  if not len(rows["tokens"]):
+    raise ValueError("no self-distillation data; raise mtp.data.num_prompts")
+  return (grain.MapDataset.source(_Rows(rows)).shuffle(seed=seed).repeat()
+          .batch(batch_size, drop_remainder=True).to_iter_dataset())
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float,
+                              modes: Sequence[str], batch_size: int = 64,
+                              buckets: Sequence[int] = evaluation.PROMPT_BUCKETS
+                              ) -> dict[str, dict[str, list[float]]]:
+  """Per mode: per-depth acceptance over the policy tokens of held-out rollouts, plain
+  ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha")."""
+  params_s = sampling.SamplingParams(temperature=temperature)
+  longest = evaluation.bucket(max(len(t) for t, _ in sequences), buckets)
+  results = {}
+  for mode in modes:
+    sums = {"alpha": 0.0, "alpha_unweighted": 0.0}
+    weights = {"alpha": 0.0, "alpha_unweighted": 0.0}
+    for first in range(0, len(sequences), batch_size):
+      chunk = sequences[first:first + batch_size]
+      seq = np.zeros((batch_size, longest), np.int32)
+      gen = np.zeros((batch_size, longest), bool)
+      for i, (t, mk) in enumerate(chunk):
+        seq[i, :len(t)], gen[i, :len(t)] = t, mk > 0
+      out = jax.device_get(diagnostics.teacher_forced_acceptance(
+          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s, mode=mode))
+      # Combine batches by their position counts (exact for the plain mean; the weighted
+      # one is combined by positions too, a close approximation across batches).
+      n = np.asarray(out["positions"], float)
+      for key in sums:
+        sums[key] = sums[key] + np.asarray(out[key]) * n
+        weights[key] = weights[key] + n
+    results[mode] = {k: (sums[k] / np.maximum(weights[k], 1)).tolist() for k in sums}
+  return results
+
+
+def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examples,
+                      task_objs, *, modes: Sequence[str]) -> dict[str, Any]:
+  """Speculative decoding on held-out prompts at mtp.temperature, per mode: per-depth
+  acceptance, tokens per target forward (per row: 1 + accepted drafts per verification),
+  pass@1, overall and per task, and seconds."""
+  t = config.mtp.temperature
+  results = {}
+  for mode in modes:
+    start = time.perf_counter()
+    total = None
+    per_task = {}
+    for name, exs in examples.items():
+      sampler = evaluation.SpeculativeSampler(
+          graphdef, params, config.eval.batch_size, sampling.SamplingParams(temperature=t),
+          mode=mode, prompt_buckets=tuple(config.eval.prompt_buckets))
+      acc = evaluation.evaluate_tasks({t: sampler}, {name: exs}, task_objs,
+                                      seed=config.seed,
+                                      max_new_tokens=config.eval.max_new_tokens)
+      st = sampler.stats
+      per_task[name] = {**_acceptance(st.attempted, st.accepted),
+                        "accuracy": acc[f"{name}/t{t:g}"]}
+      total = st if total is None else multi_turn.RolloutStats(
+          total.attempted + st.attempted, total.accepted + st.accepted)
+    results[mode] = {**_acceptance(total.attempted, total.accepted),
+                     "accuracy": {n: r["accuracy"] for n, r in per_task.items()},
+                     "per_task": per_task, "seconds": time.perf_counter() - start}
+  return results
+
+
+def _acceptance(attempted: np.ndarray, accepted: np.ndarray) -> dict[str, Any]:
+  return {"acceptance": (accepted / np.maximum(attempted, 1)).tolist(),
+          "tokens_per_target_forward": float(
+              (attempted[0] + accepted.sum()) / max(attempted[0], 1))}
+
+
+def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task_objs
+                     ) -> dict[str, Any]:
+  modes = tuple(config.mtp.eval_modes)
+  return {"teacher_forced": teacher_forced_acceptance(
+              graphdef, params, heldout_sequences, temperature=config.mtp.temperature,
+              modes=modes, batch_size=config.eval.batch_size,
+              buckets=tuple(config.eval.prompt_buckets)),
+          "online": online_evaluation(config, graphdef, params, examples, task_objs,
+                                      modes=modes)}
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def _split(model, config):
+  return nnx.split(model, optimizer_lib.trainable_filter(config.mtp.optim.trainable), ...)
+
+
+def load_policy(config: ml_collections.ConfigDict, workdir: str
+                ) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, parameters): the SFT policy with the MTP stage's trained parameters."""
+  graphdef, params = sft.load_policy(config, sft_workdir(config, workdir))
+  model = nnx.merge(graphdef, params)
+  graphdef, trainable, frozen = _split(model, config)
+  tx, _ = optimizer_lib.make_optimizer(config.mtp.optim, config.mtp.train.num_steps)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = checkpoint_lib.abstract_like(
+      {"trainable": trainable, "opt_state": jax.eval_shape(tx.init, trainable),
+       "step": jax.ShapeDtypeStruct((), jnp.int32)}, device)
+  with checkpoint_lib.Checkpointer(os.path.join(stage_dir(workdir), "checkpoints")) as ckpt:
+    restored = ckpt.restore(None, abstract)
+  return graphdef, nnx.merge_state(frozen, restored["trainable"])
+
+
+def _reinit_mtp(config, model_cfg: ModelConfig, params: nnx.State) -> nnx.State:
+  """`params` with the MTP modules freshly initialised (the drafter learned from scratch)."""
+  fresh = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed + 1)))
+  mtp_filter = nnx.All(nnx.Param, nnx.PathContains("mtp"))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  keep = params.filter(nnx.Not(mtp_filter))
+  return nnx.merge_state(keep, jax.device_put(fresh.filter(mtp_filter), device))
+
+
+def _write_json_atomic(path: str, obj: Any):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs (or resumes, or skips when complete) the MTP stage; returns its summary."""
+  done = read_summary(workdir)
+  if done is not None:
+    print(f"[mtp] complete in {stage_dir(workdir)} (loss {done['loss']}): skipping")
+    return done
+  m = config.mtp
+  source = sft_workdir(config, workdir)
+  if sft.read_summary(source) is None:
+    raise FileNotFoundError(f"the MTP stage needs a completed SFT stage in {source} "
+                            "(run the 'sft' stage first, or set mtp.init_from)")
+  os.makedirs(stage_dir(workdir), exist_ok=True)
+  stage_start = time.perf_counter()
+  timing = {}
+  model_cfg = ModelConfig.from_dict(config.model.to_dict())
+  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  rules = tuple(tuple(r) for r in config.mesh.rules)
+
+  graphdef0, sft_params = sft.load_policy(config, source)
+  data_dir = os.path.join(source, "mtp_data")
+  t0 = time.perf_counter()
+  train_data = self_distillation_data(config, graphdef0, sft_params, data_dir, "train",
+                                      _per_task(config, m.data.num_prompts))
+  per_task_eval = {n: config.eval.num_examples for n in _per_task(config, 1)}
+  heldout = self_distillation_data(config, graphdef0, sft_params, data_dir, "test",
+                                   per_task_eval)
+  timing["rollouts_s"] = time.perf_counter() - t0
+  rows = pack_rows(train_data["sequences"], config.data.seq_len)
+  print(f"[mtp] self-distillation data: {len(train_data['sequences'])} rollouts "
+        f"({train_data['policy_tokens']} policy tokens, rewards {train_data['reward']}"
+        f"{', cached' if train_data['cached'] else ''}) in {len(rows['tokens'])} rows of "
+        f"{config.data.seq_len}")
+
+  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task_eval}
+  examples = {n: pipeline.eval_examples(config.data, n, k) for n, k in per_task_eval.items()}
+  before_path = os.path.join(stage_dir(workdir), "before.json")
+  before = None
+  if m.eval_before:
+    if os.path.exists(before_path):
+      with open(before_path) as f:
+        before = json.load(f)
+    else:
+      t0 = time.perf_counter()
+      before = evaluate_drafter(config, graphdef0, sft_params, heldout["sequences"], examples,
+                                task_objs)
+      timing["eval_before_s"] = time.perf_counter() - t0
+      _write_json_atomic(before_path, before)
+    print(f"[mtp] SFT drafter: {_describe(before)}")
+
+  if m.reinit:
+    sft_params = _reinit_mtp(config, model_cfg, sft_params)
+  model = nnx.merge(graphdef0, sft_params)
+  graphdef, trainable, frozen = _split(model, config)
+  num_steps = m.train.num_steps
+  tx, schedule = optimizer_lib.make_optimizer(m.optim, num_steps)
+  state = trainer.place_state(
+      trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
+  dataset = train_dataset(rows, m.batch_size, config.seed)
+  data_iter = iter(dataset)
+  checkpointer = checkpoint_lib.Checkpointer(
+      os.path.join(stage_dir(workdir), "checkpoints"), keep_last=m.train.keep_checkpoints)
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    restored = checkpointer.restore(latest, checkpoint_lib.abstract_like(
+        state.checkpoint_tree()), data_iterator=data_iter)
+    state = trainer.TrainState(restored["trainable"], state.frozen, restored["opt_state"],
+                               restored["step"])
+    print(f"[mtp] resumed from step {latest}")
+  depth_weights = tuple(m.depth_weights) or None
+  impl = None if m.tv_implementation == "auto" else m.tv_implementation
+
+  def loss_fn(model, batch):
+    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                mtp_stop_gradient=True)
+    return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=m.loss,
+                               depth_weights=depth_weights, tv_implementation=impl,
+                               temperature=m.temperature)
+
+  step_fn = trainer.make_train_step(graphdef, loss_fn, tx, schedule, m.train.grad_accum_steps)
+  example_batch = next(iter(dataset))
+  compiled = trainer.compile_train_step(step_fn, state, example_batch, mesh, rules, tx)
+  print(f"[mtp] train step ({m.loss}) compiled in {compiled.compile_seconds:.1f}s")
+  t0 = time.perf_counter()
+  with sharding.use_mesh(mesh, rules):
+    state, summary = trainer.train_loop(
+        stage=STAGE, workdir=workdir, state=state, compiled=compiled, batches=data_iter,
+        loop=trainer.LoopConfig(num_steps=num_steps, log_every=m.train.log_every,
+                                eval_every=0, checkpoint_every=m.train.checkpoint_every,
+                                progress=m.train.progress, stop_at_step=m.train.stop_at_step),
+        checkpointer=checkpointer, data_iterator=data_iter,
+        batch_sh=trainer.batch_shardings(example_batch, mesh, rules))
+  checkpointer.close()
+  timing["train_s"] = time.perf_counter() - t0
+  if not summary["complete"]:
+    print(f"[mtp] stopped at step {summary['steps']} of {num_steps}; rerun to resume")
+    return summary
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = jax.device_put(nnx.merge_state(state.trainable, state.frozen), device)
+  t0 = time.perf_counter()
+  after = evaluate_drafter(config, graphdef, params, heldout["sequences"], examples, task_objs)
+  timing["eval_s"] = time.perf_counter() - t0
+  timing["total_s"] = time.perf_counter() - stage_start
+  summary.update(loss=m.loss, before=before, after=after, timing=timing,
+                 num_rollouts=len(train_data["sequences"]),
+                 policy_tokens=train_data["policy_tokens"], rollout_reward=train_data["reward"])
+  _write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  print(f"[mtp] done ({m.loss}): {_describe(after)}")
+  return summary
+
+
+def _describe(ev: dict[str, Any]) -> str:
+  parts = []
+  for mode, r in ev["online"].items():
+    tf = ev["teacher_forced"][mode]["alpha"]
+    parts.append(f"{mode}: online {'/'.join(f'{a:.3f}' for a in r['acceptance'])} "
+                 f"(teacher-forced {'/'.join(f'{a:.3f}' for a in tf)}), "
+                 f"{r['tokens_per_target_forward']:.2f} tokens/forward")
+  return "; ".join(parts)
