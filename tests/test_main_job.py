@@ -1,0 +1,115 @@
+"""The main job end to end on the tiny configs: SFT -> MTP -> eval, summary keys, reruns."""
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from bebop_jax import config as config_lib
+from bebop_jax import stages
+from bebop_jax.train import mtp, sft
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(data_dir, name="quickstart_tiny", arg=None):
+  ns = {}
+  with open(os.path.join(REPO, "configs", f"{name}.py")) as f:
+    exec(compile(f.read(), f"{name}.py", "exec"), ns)  # pylint: disable=exec-used
+  config = ns["get_config"](arg)
+  config.data.data_dir = str(data_dir)
+  return config
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+  data_dir = tmp_path_factory.mktemp("data")
+  workdir = str(tmp_path_factory.mktemp("job"))
+  config = config_lib.validate(_config(data_dir))
+  stages.run(config, workdir)
+  return data_dir, workdir, config
+
+
+def test_summary_has_the_documented_keys(job):
+  _, workdir, config = job
+  s = json.load(open(os.path.join(workdir, "summary.json")))
+  k = config.model.num_draft_steps
+  assert set(s["eval"]["accuracy"]) == {"math", "code", "agentic"}
+  assert all(0 <= v <= 1 for v in s["eval"]["accuracy"].values())
+  assert s["mtp"]["loss"] == "e2e_tv" and len(s["mtp"]["acceptance_teacher_forced"]) == k
+  for mode in ("rejection", "greedy_draft"):
+    acc = s["decode"]["acceptance_online"][mode]
+    assert len(acc) == k and all(0 <= a <= 1 for a in acc)
+    assert s["decode"]["tokens_per_target_forward"][mode] >= 1
+    assert set(s["entropy_fit"][mode]) >= {"slope", "intercept", "r2"}
+  assert set(s["decode"]["speedup_vs_autoregressive"]) == {"1", "8"}
+  assert all(v > 0 for v in s["decode"]["speedup_vs_autoregressive"].values())
+  assert {"sft_s", "mtp_s", "eval_s", "total_s"} <= set(s["timing"])
+  for plot in ("acceptance_by_depth", "acceptance_vs_entropy", "speedup_by_batch"):
+    assert os.path.getsize(os.path.join(workdir, "plots", f"{plot}.png")) > 1000
+  report = open(os.path.join(workdir, "report.md")).read()
+  assert "| rejection |" in report and "acceptance_vs_entropy.png" in report
+
+
+def test_only_the_drafter_changes(job):
+  _, workdir, config = job
+  summary = mtp.read_summary(workdir)
+  assert {"alpha_1", "tv_1", "kl_1", "ce_1", "expected_accepted_length"} <= set(
+      summary["metrics"])
+  _, sft_params = sft.load_policy(config, workdir)
+  _, params = mtp.load_policy(config, workdir)
+  flat_sft = dict(jax.tree_util.tree_leaves_with_path(sft_params))
+  changed = {jax.tree_util.keystr(p): not np.array_equal(np.asarray(v), np.asarray(flat_sft[p]))
+             for p, v in jax.tree_util.tree_leaves_with_path(params)}
+  assert any(c for p, c in changed.items() if "mtp" in p)
+  assert not any(c for p, c in changed.items() if "mtp" not in p)
+
+
+def test_rerun_reuses_everything(job, capsys):
+  _, workdir, config = job
+  start = time.perf_counter()
+  stages.run(config, workdir)
+  out = capsys.readouterr().out
+  assert "[sft] complete" in out and "[mtp] complete" in out and "[eval] complete" in out
+  assert time.perf_counter() - start < 30
+  data_files = os.listdir(os.path.join(workdir, "mtp_data"))
+  assert len([f for f in data_files if f.endswith(".npz")]) == 2  # train and held-out
+
+
+def test_interrupted_mtp_stage_resumes(job, tmp_path):
+  data_dir, sft_workdir, _ = job
+  # Another loss from the same SFT workdir (as a sweep does), stopped after 1 of 2 steps.
+  def config(**train):
+    c = _config(data_dir)
+    c.stages = ("mtp",)
+    c.mtp.loss = "tv"
+    c.mtp.init_from = sft_workdir
+    c.mtp.eval_modes = ("rejection",)
+    c.mtp.train.update(train)
+    return config_lib.validate(c)
+
+  workdir = str(tmp_path)
+  summary = mtp.run(config(stop_at_step=1), workdir)
+  assert not summary["complete"] and summary["steps"] == 1 and mtp.read_summary(workdir) is None
+  summary = mtp.run(config(), workdir)
+  assert summary["complete"] and summary["steps"] == 2 and summary["loss"] == "tv"
+
+
+def test_pack_rows():
+  seqs = [(np.arange(1, n + 1, dtype=np.int32), np.ones(n, np.int32)) for n in (5, 3, 7, 2, 8)]
+  rows = mtp.pack_rows(seqs, 10)
+  assert rows["tokens"].shape[1] == 10 and len(rows["tokens"]) == 3  # 25 tokens, first fit
+  for r in range(len(rows["tokens"])):
+    seg = rows["segment_ids"][r]
+    for s in set(seg[seg > 0].tolist()):
+      idx = np.where(seg == s)[0]
+      assert (np.diff(idx) == 1).all()
+      np.testing.assert_array_equal(rows["positions"][r, idx], np.arange(len(idx)))
+      np.testing.assert_array_equal(rows["tokens"][r, idx], np.arange(1, len(idx) + 1))
+  assert rows["loss_mask"].sum() == 25 and (rows["tokens"][rows["segment_ids"] == 0] == 0).all()
+  # A sequence longer than a row is cut.
+  assert mtp.pack_rows([(np.ones(12, np.int32), np.ones(12, np.int32))], 10)["tokens"].shape \
+      == (1, 10)
