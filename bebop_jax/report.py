@@ -26,6 +26,7 @@ import numpy as np
 
 from bebop_jax import evaluation
 from bebop_jax.decoding import benchmark, diagnostics, sampling
+from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import mtp, sft
 
 STAGE = "eval"
@@ -33,18 +34,7 @@ TIMING_FILE = "timing.json"
 
 
 def read_summary(workdir: str) -> dict[str, Any] | None:
-  path = os.path.join(workdir, "summary.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def _write_json_atomic(path: str, obj: Any):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
+  return metrics_lib.read_json(os.path.join(workdir, "summary.json"))
 
 
 def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -65,12 +55,7 @@ def entropy_points(graphdef, params, sequences, *, temperatures, mode: str, batc
   ents, alphas = [], []
   for t in temperatures:
     params_s = sampling.SamplingParams(temperature=t)
-    for first in range(0, len(sequences), batch_size):
-      chunk = sequences[first:first + batch_size]
-      seq = np.zeros((batch_size, longest), np.int32)
-      gen = np.zeros((batch_size, longest), bool)
-      for i, (tok, mask) in enumerate(chunk):
-        seq[i, :len(tok)], gen[i, :len(tok)] = tok, mask > 0
+    for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
       out = jax.device_get(diagnostics.acceptance_by_position(
           graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s, mode=mode))
       m = out["mask"][0]
@@ -141,7 +126,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                        sum(v for k, v in timing.items() if k.endswith("_s")))
   summary["timing"] = timing
   plots = write_plots(workdir, summary, entropy)
-  _write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+  metrics_lib.write_json_atomic(os.path.join(workdir, "summary.json"), summary)
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(render_report(summary, plots))
   print(f"[eval] wrote {workdir}/summary.json, report.md and plots/ "
@@ -161,15 +146,11 @@ def _compact(ev: dict | None, modes) -> dict | None:
 
 def write_timing(workdir: str, timing: dict[str, float]):
   """This invocation's seconds per stage so far, in <workdir>/timing.json (stages.run)."""
-  _write_json_atomic(os.path.join(workdir, TIMING_FILE), timing)
+  metrics_lib.write_json_atomic(os.path.join(workdir, TIMING_FILE), timing)
 
 
 def _read_timing(workdir: str) -> dict[str, float]:
-  path = os.path.join(workdir, TIMING_FILE)
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
+  return metrics_lib.read_json(os.path.join(workdir, TIMING_FILE)) or {}
 
 
 def headline(s: dict) -> str:

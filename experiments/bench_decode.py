@@ -39,6 +39,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed passes per measurement (bes
 _PROMPTS = flags.DEFINE_integer("num_prompts", 32, "Prompts per measurement (at least one "
                                 "batch): batch 1 decodes them one after another.")
 _RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model.")
+_POLICY = flags.DEFINE_enum("policy", "auto", ["auto", "sft", "mtp"],
+                            "Which checkpoint in --workdir: the MTP stage's, the SFT stage's "
+                            "(its jointly trained MTP module), or auto (MTP if present).")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default <workdir>/bench_decode.json).")
 
 
@@ -46,7 +49,9 @@ def main(argv):
   del argv
   config = config_lib.validate(_CONFIG.value)
   workdir = _WORKDIR.value
-  if not _RANDOM.value and workdir and mtp.read_summary(workdir) is not None:
+  use_mtp = _POLICY.value == "mtp" or (
+      _POLICY.value == "auto" and workdir and mtp.read_summary(workdir) is not None)
+  if not _RANDOM.value and workdir and use_mtp:
     graphdef, state = mtp.load_policy(config, workdir)
     source = f"sft + mtp checkpoint in {workdir}"
   elif not _RANDOM.value and workdir and sft.read_summary(workdir) is not None:

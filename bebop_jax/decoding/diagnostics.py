@@ -19,11 +19,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bebop_jax.decoding import sampling
 from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.model.model import shift_left
+
+
+def padded_batches(sequences, batch_size: int, length: int):
+  """Yields (tokens [batch_size, length] int32, generated [batch_size, length] bool) numpy
+  batches from (tokens, loss_mask) pairs: right-padded, the last batch padded with empty
+  rows (which count nowhere)."""
+  for first in range(0, len(sequences), batch_size):
+    seq = np.zeros((batch_size, length), np.int32)
+    gen = np.zeros((batch_size, length), bool)
+    for i, (tokens, mask) in enumerate(sequences[first:first + batch_size]):
+      seq[i, :len(tokens)], gen[i, :len(tokens)] = tokens, np.asarray(mask) > 0
+    yield seq, gen
 
 
 def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Array,

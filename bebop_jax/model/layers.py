@@ -67,13 +67,14 @@ def cache_mask(query_positions: jax.Array, cache_len: int) -> jax.Array:
   return jnp.arange(cache_len)[None, None, :] <= query_positions[:, :, None]
 
 
-def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """Writes new [B, T, ...] into cache [B, S, ...] at per-token positions [B, T].
-
-  Positions outside [0, S) are dropped (never clamped onto other entries).
-  """
-  rows = jnp.arange(cache.shape[0])[:, None]
-  return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array,
+                layer: jax.Array | int) -> jax.Array:
+  """Writes new [B, T, ...] into the stacked cache [L, B, S, ...] of layer `layer` at
+  per-token positions [B, T]: a scatter into the whole buffer, so XLA updates it in place
+  (no per-step copy of the cache). Positions outside [0, S) are dropped (never clamped onto
+  other entries)."""
+  rows = jnp.arange(cache.shape[1])[:, None]
+  return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")
 
 
 def dense(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
@@ -90,7 +91,8 @@ def dense(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
 
 
 def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
-          mask: jax.Array | None = None, kv_cache: tuple[jax.Array, jax.Array] | None = None,
+          mask: jax.Array | None = None,
+          kv_cache: tuple[jax.Array, jax.Array, jax.Array | int] | None = None,
           rope_theta: float, eps: float, qk_norm: bool
           ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
   """One pre-norm transformer block: x + Attn(norm x), then + SwiGLU(norm x).
@@ -100,10 +102,11 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
     x: [B, T, E] residual stream.
     positions: [B, T] absolute positions (RoPE; cache slots when decoding).
     mask: [B, T, T] self-attention mask (teacher-forced mode, no cache).
-    kv_cache: (k, v) each [B, S, KV, D]: the new keys and values are written at `positions`
-      and the queries attend over the whole cache with a causal-by-position mask.
+    kv_cache: (k, v, layer): stacked caches [L, B, S, KV, D] and this block's index in
+      them; the new keys and values are written at `positions` and the queries attend over
+      the layer's whole cache with a causal-by-position mask.
   Returns:
-    (new x [B, T, E], updated (k, v) cache or None).
+    (new x [B, T, E], updated stacked (k, v) caches or None).
   """
   h = rms_norm(x, p["attn_norm"], eps)
   q = dense(h, p["wq"])
@@ -118,10 +121,11 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
     out = attention(q, k, v, mask)
     new_cache = None
   else:
-    cache_k = write_cache(kv_cache[0], k, positions)
-    cache_v = write_cache(kv_cache[1], v, positions)
-    out = attention(q, cache_k, cache_v, cache_mask(positions, cache_k.shape[1]))
-    new_cache = (cache_k, cache_v)
+    all_k, all_v, layer = kv_cache
+    all_k = write_cache(all_k, k, positions, layer)
+    all_v = write_cache(all_v, v, positions, layer)
+    out = attention(q, all_k[layer], all_v[layer], cache_mask(positions, all_k.shape[2]))
+    new_cache = (all_k, all_v)
   b, t, heads, d = out.shape
   x = x + dense(out.reshape(b, t, heads * d), p["wo"].reshape(heads * d, -1))
   x = sharding.constrain(x, ("batch", "length", "embed"))

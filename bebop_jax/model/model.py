@@ -172,11 +172,15 @@ class Policy(nnx.Module):
       x, _ = jax.lax.scan(body, x, params)
       return x, None
 
-    def body_cached(x, xs):
-      p, k, v = xs
-      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v), **kw)
-      return x, (k, v)
-    x, (k, v) = jax.lax.scan(body_cached, x, (params, cache.k, cache.v))
+    # The stacked cache rides in the carry and each layer scatters into it in place; as scan
+    # inputs/outputs it would be re-stacked, i.e. copied whole, at every decode step.
+    def body_cached(carry, xs):
+      x, k, v = carry
+      p, layer = xs
+      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v, layer), **kw)
+      return (x, k, v), None
+    layer_ids = jnp.arange(self.config.num_layers)
+    (x, k, v), _ = jax.lax.scan(body_cached, (x, cache.k, cache.v), (params, layer_ids))
     return x, KVCache(k=k, v=v)
 
   def _mtp_input(self, module: int, h_prev: jax.Array, emb: jax.Array) -> jax.Array:
@@ -290,9 +294,9 @@ class Policy(nnx.Module):
     module = c.mtp_module_index(depth)
     shared = self._shared(stop_gradient=False)
     u = self._mtp_input(module, h_prev, self._embed(shared["embed"], tokens))
-    kv = (cache.mtp.k[depth - 1], cache.mtp.v[depth - 1])
-    h, (k, v) = self._mtp_block(module, u, positions, kv_cache=kv)
-    mtp = KVCache(k=cache.mtp.k.at[depth - 1].set(k), v=cache.mtp.v.at[depth - 1].set(v))
+    h, (k, v) = self._mtp_block(module, u, positions,
+                                kv_cache=(cache.mtp.k, cache.mtp.v, depth - 1))
+    mtp = KVCache(k=k, v=v)
     return self._logits(shared, h), h, cache.replace(mtp=mtp)
 
   def prefill(self, cache: Cache, tokens: jax.Array, *, mtp: bool = True

@@ -89,3 +89,19 @@ class Progress:
 
   def close(self):
     self.bar.close()
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+  """Writes JSON to path via a temporary file and a rename: a crash leaves the old file."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def read_json(path: str) -> Any | None:
+  """The JSON at path, or None if there is no file."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)

@@ -46,6 +46,7 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.tasks.agentic import StepResult
 from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import sft
 from bebop_jax.train import trainer
@@ -60,11 +61,7 @@ def stage_dir(workdir: str) -> str:
 
 def read_summary(workdir: str) -> dict[str, Any] | None:
   """The completed stage's summary, or None."""
-  path = os.path.join(stage_dir(workdir), "summary.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
 
 
 def sft_workdir(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -249,12 +246,7 @@ def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float
   for mode in modes:
     sums = {"alpha": 0.0, "alpha_unweighted": 0.0}
     weights = {"alpha": 0.0, "alpha_unweighted": 0.0}
-    for first in range(0, len(sequences), batch_size):
-      chunk = sequences[first:first + batch_size]
-      seq = np.zeros((batch_size, longest), np.int32)
-      gen = np.zeros((batch_size, longest), bool)
-      for i, (t, mk) in enumerate(chunk):
-        seq[i, :len(t)], gen[i, :len(t)] = t, mk > 0
+    for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
       out = jax.device_get(diagnostics.teacher_forced_acceptance(
           graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s, mode=mode))
       # Combine batches by their position counts (exact for the plain mean; the weighted
@@ -345,13 +337,6 @@ def _reinit_mtp(config, model_cfg: ModelConfig, params: nnx.State) -> nnx.State:
   return nnx.merge_state(keep, jax.device_put(fresh.filter(mtp_filter), device))
 
 
-def _write_json_atomic(path: str, obj: Any):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
-
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) the MTP stage; returns its summary."""
   done = read_summary(workdir)
@@ -398,7 +383,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       before = evaluate_drafter(config, graphdef0, sft_params, heldout["sequences"], examples,
                                 task_objs)
       timing["eval_before_s"] = time.perf_counter() - t0
-      _write_json_atomic(before_path, before)
+      metrics_lib.write_json_atomic(before_path, before)
     print(f"[mtp] SFT drafter: {_describe(before)}")
 
   if m.reinit:
@@ -457,7 +442,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   summary.update(loss=m.loss, before=before, after=after, timing=timing,
                  num_rollouts=len(train_data["sequences"]),
                  policy_tokens=train_data["policy_tokens"], rollout_reward=train_data["reward"])
-  _write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
   print(f"[mtp] done ({m.loss}): {_describe(after)}")
   return summary
 

@@ -34,6 +34,7 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import flops as flops_lib
+from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
 
@@ -46,18 +47,7 @@ def stage_dir(workdir: str) -> str:
 
 def read_summary(workdir: str) -> dict[str, Any] | None:
   """The completed stage's summary, or None if the stage has not completed."""
-  path = os.path.join(stage_dir(workdir), "summary.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def _write_json_atomic(path: str, obj: Any):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
+  return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
 
 
 def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
@@ -175,6 +165,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary["matmul_flops_per_s"] = flops_lib.matmul_flops_per_second()
     summary["flops_utilization"] = summary["model_flops_per_s"] / summary["matmul_flops_per_s"]
   summary["num_params"] = policy_lib.num_params(nnx.state(model))
-  _write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
   print(f"[sft] done: {json.dumps(summary['eval'], sort_keys=True)}")
   return summary
