@@ -5,7 +5,8 @@ loops over the same held-out prompts (all tasks mixed; a batch of 1 decodes them
 another), the speed ratio, tokens per target forward, and per-depth acceptance online and
 teacher-forced at the visited frontiers (the self-consistency diagnostic). Both loops stop at
 end of sequence or end of a tool call (one policy turn). Each loop is compiled and warmed up
-before timing; the best of `repeats` passes is kept. Used by experiments/bench_decode.py and
+before timing; passes of the loops are interleaved and the best of `repeats` is kept.
+Used by experiments/bench_decode.py and
 the evaluation stage.
 """
 
@@ -46,21 +47,26 @@ def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) ->
   return batches
 
 
-def best_time(fn, batches, repeats: int):
-  """Best total wall time over `repeats` passes over all batches, after a warm-up pass;
-  returns (seconds, outputs of the last pass)."""
+def best_times(fns: dict, batches, repeats: int) -> dict:
+  """{name: (best total seconds over `repeats` passes over all batches, outputs of the last
+  pass)}. Every function is compiled and warmed up on every bucket first; the passes are
+  interleaved (one pass of each function per round), so a drift in machine speed hits all
+  of them alike instead of biasing the ratio."""
   shapes = {}
   for tokens, lengths in batches:
     shapes.setdefault(tokens.shape, (tokens, lengths))
-  for tokens, lengths in shapes.values():  # compile + warm up every bucket
-    jax.block_until_ready(fn(tokens, lengths, 0))
-  best, outs = float("inf"), []
+  for fn in fns.values():
+    for tokens, lengths in shapes.values():  # compile + warm up every bucket
+      jax.block_until_ready(fn(tokens, lengths, 0))
+  best = {name: float("inf") for name in fns}
+  outs = {}
   for r in range(repeats):
-    start = time.perf_counter()
-    outs = [jax.block_until_ready(fn(tokens, lengths, 1000 * r + i))
-            for i, (tokens, lengths) in enumerate(batches)]
-    best = min(best, time.perf_counter() - start)
-  return best, outs
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      outs[name] = [jax.block_until_ready(fn(tokens, lengths, 1000 * r + i))
+                    for i, (tokens, lengths) in enumerate(batches)]
+      best[name] = min(best[name], time.perf_counter() - start)
+  return {name: (best[name], outs[name]) for name in fns}
 
 
 def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
@@ -75,16 +81,19 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
     batches = prompt_batches(config, b, num_prompts)
     for t in temperatures:
       params = sampling.SamplingParams(temperature=t)
-      ar_time, ar = best_time(lambda tokens, lengths, seed: autoregressive.generate(
+      fns = {"autoregressive": lambda tokens, lengths, seed: autoregressive.generate(
           graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
-          cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop), batches, repeats)
+          cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop)}
+      for mode in (["exact"] if t == 0 else modes):
+        fns[mode] = (lambda tokens, lengths, seed, mode=mode: speculative.generate(
+            graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
+            cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode,
+            stop_tokens=stop))
+      timed = best_times(fns, batches, repeats)
+      ar_time, ar = timed.pop("autoregressive")
       ar_tokens = sum(int(np.asarray(o.lengths).sum()) for o in ar)
       ar_forwards = sum(int(o.target_forwards) for o in ar)
-      for mode in (["exact"] if t == 0 else modes):
-        sp_time, sp = best_time(lambda tokens, lengths, seed: speculative.generate(
-            graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
-            cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode, stop_tokens=stop),
-                                 batches, repeats)
+      for mode, (sp_time, sp) in timed.items():
         sp_tokens = sum(int(np.asarray(o.lengths).sum()) for o in sp)
         att = sum(np.asarray(o.attempted).sum(0) for o in sp)
         acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
