@@ -14,7 +14,6 @@ Writes <workdir>/summary.json, <workdir>/plots/*.png and <workdir>/report.md.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any

@@ -56,6 +56,19 @@ STATE_ITEM = "state"
 DATA_ITEM = "data"
 
 
+def restore_trainable(directory: str, trainable: Any, tx: Any, step: int | None = None
+                      ) -> Any:
+  """The trainable parameters of a stage's checkpoint (latest step by default) on the
+  default device, given their abstract or concrete template and the stage's optimizer (the
+  checkpoint stores them with the optimizer state and the step)."""
+  device = SingleDeviceSharding(jax.devices()[0])
+  abstract = abstract_like(
+      {"trainable": trainable, "opt_state": jax.eval_shape(tx.init, trainable),
+       "step": jax.ShapeDtypeStruct((), jnp.int32)}, device)
+  with Checkpointer(directory) as ckpt:
+    return ckpt.restore(step, abstract)["trainable"]
+
+
 class CheckpointMismatchError(ValueError):
   """A checkpoint's stored leaves do not match the expected (abstract) state."""
 

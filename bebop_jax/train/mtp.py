@@ -319,13 +319,9 @@ def load_policy(config: ml_collections.ConfigDict, workdir: str
   model = nnx.merge(graphdef, params)
   graphdef, trainable, frozen = _split(model, config)
   tx, _ = optimizer_lib.make_optimizer(config.mtp.optim, config.mtp.train.num_steps)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = checkpoint_lib.abstract_like(
-      {"trainable": trainable, "opt_state": jax.eval_shape(tx.init, trainable),
-       "step": jax.ShapeDtypeStruct((), jnp.int32)}, device)
-  with checkpoint_lib.Checkpointer(os.path.join(stage_dir(workdir), "checkpoints")) as ckpt:
-    restored = ckpt.restore(None, abstract)
-  return graphdef, nnx.merge_state(frozen, restored["trainable"])
+  restored = checkpoint_lib.restore_trainable(
+      os.path.join(stage_dir(workdir), "checkpoints"), trainable, tx)
+  return graphdef, nnx.merge_state(frozen, restored)
 
 
 def _reinit_mtp(config, model_cfg: ModelConfig, params: nnx.State) -> nnx.State:

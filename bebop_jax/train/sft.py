@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from absl import logging
 from flax import nnx
@@ -84,14 +83,10 @@ def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | Non
   graphdef, trainable, frozen = nnx.split(
       model, optimizer_lib.trainable_filter(config.sft.optim.trainable), ...)
   tx, _ = optimizer_lib.make_optimizer(config.sft.optim, config.sft.train.num_steps)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = checkpoint_lib.abstract_like(
-      {"trainable": trainable, "opt_state": jax.eval_shape(tx.init, trainable),
-       "step": jax.ShapeDtypeStruct((), jnp.int32)}, device)
-  with checkpoint_lib.Checkpointer(os.path.join(stage_dir(workdir), "checkpoints")) as ckpt:
-    restored = ckpt.restore(step, abstract)
-  params = jax.device_put(frozen, device) if len(frozen) else frozen
-  return graphdef, nnx.merge_state(restored["trainable"], params)
+  restored = checkpoint_lib.restore_trainable(
+      os.path.join(stage_dir(workdir), "checkpoints"), trainable, tx, step)
+  params = jax.device_put(frozen, jax.devices()[0]) if len(frozen) else frozen
+  return graphdef, nnx.merge_state(restored, params)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
