@@ -10,6 +10,7 @@ from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 
 GRAPHDEF, STATE = policy_lib.init(model_config.preset("tiny"), seed=3)
+GRAPHDEF_K = model_config.preset("tiny").num_draft_steps
 STOP = (2,)
 
 
@@ -40,6 +41,36 @@ def test_temperature_zero_equals_greedy_autoregressive():
   acc = np.asarray(sp.accepted).sum() / max(np.asarray(sp.attempted).sum(), 1)
   assert acc < 0.9
   assert int(sp.target_forwards) < 24
+
+
+@pytest.mark.parametrize("mode", ["rejection", "greedy_draft"])
+def test_caches_below_the_draft_window_equal_a_fresh_prefill(mode):
+  """The drafting invariant (DESIGN.md 4): every depth-cache entry below the window of the
+  last K+1 positions was written with committed tokens. Mostly-wrong drafts of the random
+  model make the frontier advance by varied amounts, rejected drafts leave stale entries."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  tokens, lengths = _prompts(b=4, seed=3)
+  k = GRAPHDEF_K
+  ds = speculative.start(GRAPHDEF, STATE, tokens, lengths, jax.random.key(2),
+                         max_new_tokens=40, cache_length=64,
+                         params=sampling.SamplingParams(1.0), mode=mode, stop_tokens=())
+  accepted, attempted = np.asarray(ds.out.accepted).sum(), np.asarray(ds.out.attempted).sum()
+  assert 0 < accepted < 0.9 * attempted
+  n_all = np.asarray(ds.frontier)
+  model = nnx.merge(GRAPHDEF, STATE)
+  _, h0, fresh = model.prefill(model.init_cache(4, 64), ds.seq[:, :int(n_all.max()) + 2])
+  for row, n in enumerate(n_all):
+    np.testing.assert_allclose(np.asarray(ds.hidden[row, :n + 1]), np.asarray(h0[row, :n + 1]),
+                               atol=2e-5)
+    for name in ("k", "v"):
+      np.testing.assert_allclose(np.asarray(getattr(ds.cache.main, name)[:, row, :n + 1]),
+                                 np.asarray(getattr(fresh.main, name)[:, row, :n + 1]),
+                                 atol=2e-5)
+      for depth in range(1, k + 1):
+        np.testing.assert_allclose(
+            np.asarray(getattr(ds.cache.mtp, name)[depth - 1, row, :n - k]),
+            np.asarray(getattr(fresh.mtp, name)[depth - 1, row, :n - k]), atol=2e-5,
+            err_msg=f"row {row} depth {depth} {name}")
 
 
 @pytest.mark.parametrize("mode", ["rejection", "greedy_draft", "strict"])

@@ -2,11 +2,17 @@
 
 State per row: the committed sequence, the frontier n (last position whose main hidden state
 h0_n is known) and x_{n+1}, already sampled from p_n. One iteration:
-  1. Draft: every depth k = 1..K recomputes its window of the last 2K positions ending at n
-     (clipped at 0) from the depth below (h0 from the hidden buffer for depth 1) and the
-     tokens x_{j+k} (committed, or this iteration's drafts), so every depth-cache entry is
-     written with committed tokens before it leaves the window; d_k is drawn from q^k at n
-     (sampled, or argmax for greedy_draft / exact).
+  1. Draft: every depth k = 1..K recomputes its window of the last K+1 positions ending at
+     n (clipped at 0) from the depth below (h0 from the hidden buffer for depth 1) and the
+     tokens x_{j+k} (committed, or this iteration's drafts); d_k is drawn from q^k at n
+     (sampled, or argmax for greedy_draft / exact). The window keeps DESIGN.md's invariant
+     (every depth-cache entry is written with committed tokens before it leaves the window):
+     the frontier advances by a + 1 <= K + 1, so the window covers every position not yet
+     written; an entry at j written with draft d_m (m = j + k - n - 1 in 1..k-1) is wrong
+     only when d_m is rejected (a < m), and then j > n + 1 + a - K, i.e. inside the next
+     window [n' - K, n'] with n' = n + a + 1. Entries below the window are never rewritten,
+     so they are exact; the depth-(k-1) hidden states the window needs come from the same
+     window one depth down.
   2. Verify: one target forward over [x_{n+1}, d_1..d_K] at positions n+1..n+K+1 gives
      p_{n+1}..p_{n+K+1}; `verify` accepts a prefix and draws the next token.
   3. Commit a drafts and the next token; new frontier n + a + 1. Cache entries past it are
@@ -17,8 +23,8 @@ row's state is frozen.
 Multi-turn (agentic) generation keeps the `DecodeState` between calls: `start` prefills and
 decodes the first turn; `continue_with_reply` appends an environment reply to chosen rows
 (one target forward over [x_{n+1}, reply] writes the main cache and the hidden states, then
-every MTP depth rewrites the window from the old frontier's window to the new frontier, so
-the drafting invariant holds), samples the next token from p at the reply's last position and
+every MTP depth rewrites the positions from the old frontier's window to the new frontier,
+so the drafting invariant holds), samples the next token from p at the reply's last position and
 decodes the next turn. Reply tokens are in the output with `policy_mask` False. Both calls
 donate the state, so caches are updated in place.
 """
@@ -152,14 +158,17 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
   buf_len = s.seq.shape[1]
   k = s.out.attempted.shape[1]
   max_new_tokens = s.out.tokens.shape[1]
-  window = 2 * k
+  window = k + 1  # see the module docstring: the narrowest window that keeps the invariant
   rows = jnp.arange(b)
+  q_vocab = model.config.vocab_size
 
   def cond(s: DecodeState):
     return ~jnp.all(s.done)
 
   def body(s: DecodeState):
-    rng, verify_key, *draft_keys = sampling.split_rows(s.rng, k + 2)
+    rng, verify_key, draft_key = sampling.split_rows(s.rng, 3)
+    # The Gumbel noise of all K draft samples in one PRNG call (see sample_with_noise).
+    draft_noise = jax.vmap(lambda key: jax.random.gumbel(key, (k, q_vocab)))(draft_key)
     n = s.frontier
     cache = s.cache
     # 1. Draft through the MTP chain over each row's window.
@@ -171,12 +180,12 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
     drafts, draft_probs = [], []
     for depth in range(1, k + 1):
       q_logits, h_prev, cache = model.mtp_step(cache, depth, h_prev,
-                                               seq[rows[:, None], win + depth], start)
-      q_logp = sampling.sampling_logprobs(q_logits[rows, at_n], params)
+                                               seq[rows[:, None], win + depth], start, at_n)
+      q_logp = sampling.sampling_logprobs(q_logits, params)
       if mode in ("greedy_draft", "exact"):
         d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
       else:
-        d = sampling.sample(draft_keys[depth - 1], q_logp)
+        d = sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp)
       seq = seq.at[rows, n + 1 + depth].set(d)
       drafts.append(d)
       draft_probs.append(jnp.exp(q_logp))
@@ -270,8 +279,8 @@ def _append(model, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
   s = _emit_sampled(s.replace(rng=rng), logits[rows, jnp.where(active, reply_lengths, 0)],
                     key, active, params, stop)
   # 3. Every depth rewrites positions from the old window's start to the new frontier.
-  width = 2 * k + r + 1
-  w_start = jnp.where(active, jnp.maximum(n - 2 * k + 1, 0), cache_length)
+  width = k + r + 2
+  w_start = jnp.where(active, jnp.maximum(n - k, 0), cache_length)
   win = jnp.minimum(w_start[:, None] + jnp.arange(width)[None, :], buf_len - k - 1)
   h_prev = s.hidden[rows[:, None], win]
   cache = s.cache

@@ -28,11 +28,11 @@ MODES = ("rejection", "greedy_draft", "strict", "exact")
 _TINY = 1e-30
 
 
-def _categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
-  """One sample per row of unnormalised non-negative weights [B, V], one key per row."""
+def _categorical(gumbel: jax.Array, probs: jax.Array) -> jax.Array:
+  """One sample per row of unnormalised non-negative weights [B, V] given standard Gumbel
+  noise [B, V] (Gumbel-max)."""
   logits = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, _TINY)), -jnp.inf)
-  return jax.vmap(lambda key, l: jax.random.categorical(key, l))(keys, logits).astype(
-      jnp.int32)
+  return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
 
 
 def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
@@ -88,8 +88,12 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
     draft_tokens = jnp.argmax(draft_probs, axis=-1).astype(jnp.int32)
   draft_tokens = draft_tokens.astype(jnp.int32)
   keys = jax.random.split(rng, b) if rng.ndim == 0 else rng
-  pair = jax.vmap(lambda key: jax.random.split(key))(keys)
-  uniforms = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(pair[:, 0])
+  # All of a row's randomness in one PRNG call: K acceptance uniforms, then the Gumbel noise
+  # of the next-token sample (minval tiny keeps the logs finite).
+  v = target_probs.shape[-1]
+  u = jax.vmap(lambda key: jax.random.uniform(
+      key, (k + v,), minval=jnp.finfo(jnp.float32).tiny))(keys)
+  uniforms, gumbel = u[:, :k], -jnp.log(-jnp.log(u[:, k:]))
   accept = uniforms < acceptance_probs(
       draft_tokens, draft_probs, target_probs, mode)
   num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
@@ -99,7 +103,7 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
        target_probs[:, k:] if mode != "exact" else jax.nn.one_hot(
            jnp.argmax(target_probs[:, k:], -1), target_probs.shape[-1])], axis=1)
   chosen = jnp.take_along_axis(after, num_accepted[:, None, None], axis=1)[:, 0]
-  return num_accepted.astype(jnp.int32), _categorical(pair[:, 1], chosen)
+  return num_accepted.astype(jnp.int32), _categorical(gumbel, chosen)
 
 
 def expected_accepted(alphas: jax.Array) -> jax.Array:

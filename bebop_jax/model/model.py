@@ -276,15 +276,18 @@ class Policy(nnx.Module):
     return self._logits(shared, h0), h0, cache.replace(main=main)
 
   def mtp_step(self, cache: Cache, depth: int, h_prev: jax.Array, tokens: jax.Array,
-               start: jax.Array) -> tuple[jax.Array, jax.Array, Cache]:
+               start: jax.Array, logits_at: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, Cache]:
     """MTP depth `depth` (1..K, static) over a window of W positions start[b] + 0..W-1.
 
     Args:
       h_prev: [B, W, E] hidden states of depth-1 (h0 for depth 1) at the window positions.
       tokens: [B, W] the tokens x_{j+depth} for the window positions j.
+      logits_at: optional [B] window index: the logits are needed there only (decoding
+        drafts at the frontier), so the head runs on one position per row.
     Returns:
-      (draft logits [B, W, V] f32, hidden h^depth [B, W, E], cache with the depth's entries
-      at the window positions rewritten).
+      (draft logits [B, W, V] f32, or [B, V] at `logits_at`; hidden h^depth [B, W, E];
+      cache with the depth's entries at the window positions rewritten).
     """
     c = self.config
     if not 1 <= depth <= c.num_draft_steps:
@@ -297,6 +300,9 @@ class Policy(nnx.Module):
     h, (k, v) = self._mtp_block(module, u, positions,
                                 kv_cache=(cache.mtp.k, cache.mtp.v, depth - 1))
     mtp = KVCache(k=k, v=v)
+    if logits_at is not None:
+      at = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
+      return self._logits(shared, at)[:, 0], h, cache.replace(mtp=mtp)
     return self._logits(shared, h), h, cache.replace(mtp=mtp)
 
   def prefill(self, cache: Cache, tokens: jax.Array, *, mtp: bool = True
