@@ -161,6 +161,7 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
   window = k + 1  # see the module docstring: the narrowest window that keeps the invariant
   rows = jnp.arange(b)
   q_vocab = model.config.vocab_size
+  turn_start = s.out.lengths
 
   def cond(s: DecodeState):
     return ~jnp.all(s.done)
@@ -171,28 +172,33 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
     draft_noise = jax.vmap(lambda key: jax.random.gumbel(key, (k, q_vocab)))(draft_key)
     n = s.frontier
     cache = s.cache
-    # 1. Draft through the MTP chain over each row's window.
+    # 1. Draft through the MTP chain over each row's window. Depth k at window position
+    # start + i takes x_{start+i+k}: committed up to n + 1, this iteration's drafts after, so
+    # the tokens of every depth are slices of one gather of the committed sequence with the
+    # drafts written in as they are drawn.
     start = jnp.maximum(n - window + 1, 0)
-    win = start[:, None] + jnp.arange(window)[None, :]
+    offsets = jnp.arange(window + k)[None, :]
+    win = start[:, None] + offsets[:, :window]
     at_n = n - start
     h_prev = s.hidden[rows[:, None], win]
-    seq = s.seq
+    ext = s.seq[rows[:, None], start[:, None] + offsets]  # x at start .. start + W + K - 1
     drafts, draft_probs = [], []
     for depth in range(1, k + 1):
       q_logits, h_prev, cache = model.mtp_step(cache, depth, h_prev,
-                                               seq[rows[:, None], win + depth], start, at_n)
+                                               ext[:, depth:depth + window], start, at_n)
       q_logp = sampling.sampling_logprobs(q_logits, params)
       if mode in ("greedy_draft", "exact"):
         d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
       else:
         d = sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp)
-      seq = seq.at[rows, n + 1 + depth].set(d)
+      if depth < k:  # d_K is not an input of any depth
+        ext = jnp.where(offsets == (at_n + 1 + depth)[:, None], d[:, None], ext)
       drafts.append(d)
       draft_probs.append(jnp.exp(q_logp))
     drafts = jnp.stack(drafts, axis=1)
     draft_probs = jnp.stack(draft_probs, axis=1)
     # 2. Verify with one target forward over [x_{n+1}, d_1..d_K].
-    chunk = seq[rows[:, None], n[:, None] + 1 + jnp.arange(k + 1)[None, :]]
+    chunk = jnp.concatenate([s.seq[rows, n + 1][:, None], drafts], axis=1)
     t_logits, t_hidden, cache = model.step(cache, chunk, n + 1)
     t_logp = sampling.sampling_logprobs(t_logits, params)
     num_acc, nxt = verify_lib.verify(verify_key, drafts, draft_probs, jnp.exp(t_logp), mode)
@@ -220,7 +226,6 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
     accepted_depths = jnp.minimum(num_acc, count)
     out = o.replace(
         tokens=o.tokens.at[rows[:, None], slots].set(emitted, mode="drop"),
-        policy_mask=o.policy_mask.at[rows[:, None], slots].set(True, mode="drop"),
         logprobs=o.logprobs.at[rows[:, None], slots].set(emitted_logp, mode="drop"),
         entropy=o.entropy.at[rows[:, None], slots].set(emitted_ent, mode="drop"),
         lengths=o.lengths + count,
@@ -239,7 +244,11 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
     return s.replace(rng=rng, cache=cache, seq=new_seq, hidden=hidden, frontier=frontier,
                      done=done, out=out)
 
-  return jax.lax.while_loop(cond, body, s)
+  s = jax.lax.while_loop(cond, body, s)
+  # Every token the loop emitted was sampled by the policy.
+  slot = jnp.arange(max_new_tokens)[None, :]
+  emitted = (slot >= turn_start[:, None]) & (slot < s.out.lengths[:, None])
+  return s.replace(out=s.out.replace(policy_mask=s.out.policy_mask | emitted))
 
 
 def _append(model, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
