@@ -42,6 +42,9 @@ _RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised mo
 _POLICY = flags.DEFINE_enum("policy", "auto", ["auto", "sft", "mtp"],
                             "Which checkpoint in --workdir: the MTP stage's, the SFT stage's "
                             "(its jointly trained MTP module), or auto (MTP if present).")
+_SPLIT = flags.DEFINE_bool(
+    "split_fixed_cost", True, "Also time every loop with max_new_tokens=1 (prefill and first "
+    "token) and report the decoding phase's speed ratio without that per-call cost.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default <workdir>/bench_decode.json).")
 
 
@@ -61,12 +64,12 @@ def main(argv):
     graphdef, state = policy_lib.init(ModelConfig.from_dict(config.model.to_dict()),
                                       config.seed)
     source = "random_init"
-  print(f"model: {source}; device: {jax.devices()[0].device_kind}\n{benchmark.HEADER}")
+  print(f"model: {source}; device: {jax.devices()[0].device_kind}\n{benchmark.header(_SPLIT.value)}")
   results = benchmark.run_benchmark(
       config, graphdef, state, batch_sizes=[int(b) for b in _BATCH.value],
       temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
       max_new=_MAX_NEW.value, repeats=_REPEATS.value,
-      num_prompts=_PROMPTS.value)
+      num_prompts=_PROMPTS.value, split_fixed_cost=_SPLIT.value)
   out = _OUT.value or os.path.join(_WORKDIR.value or ".", "bench_decode.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as f:

@@ -113,3 +113,19 @@ def test_pack_rows():
   # A sequence longer than a row is cut.
   assert mtp.pack_rows([(np.ones(12, np.int32), np.ones(12, np.int32))], 10)["tokens"].shape \
       == (1, 10)
+
+
+def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
+  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  _, workdir, config = job
+  graphdef, state = mtp.load_policy(config, workdir)
+  rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
+                                 modes=["rejection"], max_new=16, repeats=1, num_prompts=4,
+                                 split_fixed_cost=True)
+  (row,) = rows
+  assert row["prompts"] == 4 and row["spec_tokens"] > row["prompts"]
+  # The max_new_tokens=1 pass is a part of the full pass's work, so it takes less time.
+  assert 0 < row["ar_fixed_seconds"] < row["ar_seconds"]
+  assert 0 < row["spec_fixed_seconds"] < row["spec_seconds"]
+  assert 0 < row["ar_fixed_share"] < 1 and row["decode_phase_speedup"] > 0
+  assert benchmark.format_row(row).count("|") == benchmark.header(True).split("\n")[0].count("|")

@@ -70,8 +70,13 @@ def best_times(fns: dict, batches, repeats: int) -> dict:
 
 
 def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
-                  repeats, num_prompts=32) -> list[dict]:
-  """All measurements as a list of row dicts."""
+                  repeats, num_prompts=32, split_fixed_cost=False) -> list[dict]:
+  """All measurements as a list of row dicts.
+
+  With `split_fixed_cost`, every loop also runs the same prompts with max_new_tokens=1
+  (prefill and the first token: the per-call cost that speculative decoding cannot shorten)
+  and the rows add the share of that cost in autoregressive time and the speed ratio of the
+  rest, i.e. of the decoding phase alone."""
   # Stop where a real rollout turn stops (end of sequence, end of a tool call); both loops
   # stop on the same tokens.
   tok = get_tokenizer()
@@ -81,18 +86,26 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
     batches = prompt_batches(config, b, num_prompts)
     for t in temperatures:
       params = sampling.SamplingParams(temperature=t)
-      fns = {"autoregressive": lambda tokens, lengths, seed: autoregressive.generate(
-          graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
-          cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop)}
-      for mode in (["exact"] if t == 0 else modes):
-        fns[mode] = (lambda tokens, lengths, seed, mode=mode: speculative.generate(
-            graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
-            cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode,
-            stop_tokens=stop))
-      timed = best_times(fns, batches, repeats)
+
+      def loops(max_new_tokens, params=params, t=t):
+        fns = {"autoregressive": lambda tokens, lengths, seed: autoregressive.generate(
+            graphdef, state, tokens, lengths, jax.random.key(seed),
+            max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
+            params=params, stop_tokens=stop)}
+        for mode in (["exact"] if t == 0 else modes):
+          fns[mode] = (lambda tokens, lengths, seed, mode=mode: speculative.generate(
+              graphdef, state, tokens, lengths, jax.random.key(seed),
+              max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
+              params=params, mode=mode, stop_tokens=stop))
+        return fns
+
+      timed = best_times(loops(max_new), batches, repeats)
+      fixed = ({name: seconds for name, (seconds, _) in
+                best_times(loops(1), batches, repeats).items()} if split_fixed_cost else None)
       ar_time, ar = timed.pop("autoregressive")
       ar_tokens = sum(int(np.asarray(o.lengths).sum()) for o in ar)
       ar_forwards = sum(int(o.target_forwards) for o in ar)
+      num_rows = len(batches) * b
       for mode, (sp_time, sp) in timed.items():
         sp_tokens = sum(int(np.asarray(o.lengths).sum()) for o in sp)
         att = sum(np.asarray(o.attempted).sum(0) for o in sp)
@@ -105,7 +118,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
           expected = expected + np.asarray(tf["expected_accepted"])
           visits = visits + np.asarray(tf["visits"])
         row = {
-            "batch": b, "prompts": len(batches) * b, "temperature": t, "mode": mode,
+            "batch": b, "prompts": num_rows, "temperature": t, "mode": mode,
             "ar_tokens_per_s": ar_tokens / ar_time,
             "spec_tokens_per_s": sp_tokens / sp_time,
             "speedup": (sp_tokens / sp_time) / (ar_tokens / ar_time),
@@ -117,6 +130,13 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
             "ar_target_forwards": ar_forwards,
             "spec_target_forwards": sum(int(o.target_forwards) for o in sp),
         }
+        if fixed is not None:
+          # Tokens after the first of each row, over the time after the fixed cost.
+          ar_rate = (ar_tokens - num_rows) / max(ar_time - fixed["autoregressive"], 1e-9)
+          sp_rate = (sp_tokens - num_rows) / max(sp_time - fixed[mode], 1e-9)
+          row.update(ar_fixed_seconds=fixed["autoregressive"], spec_fixed_seconds=fixed[mode],
+                     ar_fixed_share=fixed["autoregressive"] / ar_time,
+                     decode_phase_speedup=sp_rate / ar_rate)
         results.append(row)
         print(format_row(row), flush=True)
   return results
@@ -125,10 +145,18 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
 def format_row(r: dict) -> str:
   acc = "/".join(f"{a:.2f}" for a in r["acceptance_online"])
   tf = "/".join(f"{a:.2f}" for a in r["acceptance_teacher_forced"])
+  split = (f" {r['ar_fixed_share']:>5.0%} | {r['decode_phase_speedup']:>5.2f}x |"
+           if "decode_phase_speedup" in r else "")
   return (f"| {r['batch']:>5} | {r['prompts']:>3} | {r['temperature']:>4g} | {r['mode']:<12} | "
           f"{r['ar_tokens_per_s']:>9.1f} | {r['spec_tokens_per_s']:>9.1f} | "
-          f"{r['speedup']:>5.2f}x | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |")
+          f"{r['speedup']:>5.2f}x | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |"
+          + split)
 
 
-HEADER = ("| batch | prompts | temp | mode         |  AR tok/s | spec tok/s | ratio | tok/fwd | "
-          "acceptance online | teacher-forced |\n|---|---|---|---|---|---|---|---|---|---|")
+def header(split_fixed_cost: bool = False) -> str:
+  """The markdown header of `format_row`'s table."""
+  names = ["batch", "prompts", "temp", "mode", "AR tok/s", "spec tok/s", "ratio", "tok/fwd",
+           "acceptance online", "teacher-forced"]
+  if split_fixed_cost:
+    names += ["AR fixed share", "decode-phase ratio"]
+  return "| " + " | ".join(names) + " |\n" + "|---" * len(names) + "|"
