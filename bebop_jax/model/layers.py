@@ -93,6 +93,7 @@ def dense(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
 def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
           mask: jax.Array | None = None,
           kv_cache: tuple[jax.Array, jax.Array, jax.Array | int] | None = None,
+          kv_len: int | None = None,
           rope_theta: float, eps: float, qk_norm: bool
           ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
   """One pre-norm transformer block: x + Attn(norm x), then + SwiGLU(norm x).
@@ -105,6 +106,8 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
     kv_cache: (k, v, layer): stacked caches [L, B, S, KV, D] and this block's index in
       them; the new keys and values are written at `positions` and the queries attend over
       the layer's whole cache with a causal-by-position mask.
+    kv_len: with kv_cache, attend over the first kv_len cache positions only (static; a
+      prefill at positions < kv_len need not read, or mask, the rest of the cache).
   Returns:
     (new x [B, T, E], updated stacked (k, v) caches or None).
   """
@@ -124,7 +127,9 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
     all_k, all_v, layer = kv_cache
     all_k = write_cache(all_k, k, positions, layer)
     all_v = write_cache(all_v, v, positions, layer)
-    out = attention(q, all_k[layer], all_v[layer], cache_mask(positions, all_k.shape[2]))
+    s_len = all_k.shape[2] if kv_len is None else kv_len
+    out = attention(q, all_k[layer, :, :s_len], all_v[layer, :, :s_len],
+                    cache_mask(positions, s_len))
     new_cache = (all_k, all_v)
   b, t, heads, d = out.shape
   x = x + dense(out.reshape(b, t, heads * d), p["wo"].reshape(heads * d, -1))

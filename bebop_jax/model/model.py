@@ -163,7 +163,8 @@ class Policy(nnx.Module):
     logits = layers.dense(h, shared["head"], preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "vocab"))
 
-  def _main_blocks(self, x, positions, *, mask=None, cache: KVCache | None = None):
+  def _main_blocks(self, x, positions, *, mask=None, cache: KVCache | None = None,
+                   kv_len: int | None = None):
     params = self.layers.arrays(self.config.compute_dtype)
     kw = self._block_kwargs()
     if cache is None:
@@ -177,7 +178,7 @@ class Policy(nnx.Module):
     def body_cached(carry, xs):
       x, k, v = carry
       p, layer = xs
-      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v, layer), **kw)
+      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v, layer), kv_len=kv_len, **kw)
       return (x, k, v), None
     layer_ids = jnp.arange(self.config.num_layers)
     (x, k, v), _ = jax.lax.scan(body_cached, (x, cache.k, cache.v), (params, layer_ids))
@@ -191,9 +192,9 @@ class Policy(nnx.Module):
     u = layers.dense(jnp.concatenate([hn, en], axis=-1), self.mtp.proj[module].astype(dt))
     return sharding.constrain(u, ("batch", "length", "embed"))
 
-  def _mtp_block(self, module: int, u, positions, *, mask=None, kv_cache=None):
+  def _mtp_block(self, module: int, u, positions, *, mask=None, kv_cache=None, kv_len=None):
     params = {n: a[module] for n, a in self.mtp.blocks.arrays(self.config.compute_dtype).items()}
-    return layers.block(params, u, positions, mask=mask, kv_cache=kv_cache,
+    return layers.block(params, u, positions, mask=mask, kv_cache=kv_cache, kv_len=kv_len,
                         **self._block_kwargs())
 
   # ---------------------------------------------------------------- teacher-forced
@@ -257,14 +258,16 @@ class Policy(nnx.Module):
     return Cache(main=KVCache(k=zeros(c.num_layers), v=zeros(c.num_layers)),
                  mtp=KVCache(k=zeros(c.num_draft_steps), v=zeros(c.num_draft_steps)))
 
-  def step(self, cache: Cache, tokens: jax.Array, start: jax.Array
-           ) -> tuple[jax.Array, jax.Array, Cache]:
+  def step(self, cache: Cache, tokens: jax.Array, start: jax.Array, *,
+           attend_len: int | None = None) -> tuple[jax.Array, jax.Array, Cache]:
     """Main model on a chunk of C tokens per row at positions start[b] + 0..C-1.
 
     Writes the main cache at those positions; entries past a row's committed frontier are
     overwritten before anything attends to them (DESIGN.md 4).
     Args:
       tokens: [B, C] int. start: [B] int, first position of each row's chunk.
+      attend_len: static bound on every position of the chunk + 1 (the prefill's P): the
+        queries attend over the first attend_len cache positions only.
     Returns:
       (logits [B, C, V] f32, hidden h0 [B, C, E], cache).
     """
@@ -272,12 +275,12 @@ class Policy(nnx.Module):
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     shared = self._shared(stop_gradient=False)
     h0, main = self._main_blocks(self._embed(shared["embed"], tokens), positions,
-                                 cache=cache.main)
+                                 cache=cache.main, kv_len=attend_len)
     return self._logits(shared, h0), h0, cache.replace(main=main)
 
   def mtp_step(self, cache: Cache, depth: int, h_prev: jax.Array, tokens: jax.Array,
-               start: jax.Array, logits_at: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array, Cache]:
+               start: jax.Array, logits_at: jax.Array | None = None, *,
+               attend_len: int | None = None) -> tuple[jax.Array, jax.Array, Cache]:
     """MTP depth `depth` (1..K, static) over a window of W positions start[b] + 0..W-1.
 
     Args:
@@ -285,6 +288,7 @@ class Policy(nnx.Module):
       tokens: [B, W] the tokens x_{j+depth} for the window positions j.
       logits_at: optional [B] window index: the logits are needed there only (decoding
         drafts at the frontier), so the head runs on one position per row.
+      attend_len: as in `step`.
     Returns:
       (draft logits [B, W, V] f32, or [B, V] at `logits_at`; hidden h^depth [B, W, E];
       cache with the depth's entries at the window positions rewritten).
@@ -298,7 +302,8 @@ class Policy(nnx.Module):
     shared = self._shared(stop_gradient=False)
     u = self._mtp_input(module, h_prev, self._embed(shared["embed"], tokens))
     h, (k, v) = self._mtp_block(module, u, positions,
-                                kv_cache=(cache.mtp.k, cache.mtp.v, depth - 1))
+                                kv_cache=(cache.mtp.k, cache.mtp.v, depth - 1),
+                                kv_len=attend_len)
     mtp = KVCache(k=k, v=v)
     if logits_at is not None:
       at = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
@@ -317,10 +322,13 @@ class Policy(nnx.Module):
     _check_fits(tokens.shape[1], cache.length, "prompt")
     b = tokens.shape[0]
     start = jnp.zeros((b,), jnp.int32)
-    logits, h0, cache = self.step(cache, tokens, start)
+    # Every prompt position is < P: attend over the first P cache entries only.
+    p = tokens.shape[1]
+    logits, h0, cache = self.step(cache, tokens, start, attend_len=p)
     h_prev = h0
     for depth in range(1, self.config.num_draft_steps + 1 if mtp else 1):
-      _, h_prev, cache = self.mtp_step(cache, depth, h_prev, shift_left(tokens, depth), start)
+      _, h_prev, cache = self.mtp_step(cache, depth, h_prev, shift_left(tokens, depth), start,
+                                       attend_len=p)
     return logits, h0, cache
 
 
