@@ -3,9 +3,9 @@
   python -m bebop_jax.main --config=configs/quickstart.py --workdir=runs/quickstart
 
 On two CPU cores: SFT of the ~1M-parameter `small_deep` policy on the three synthetic tasks
-(about 7.5 minutes), MTP training with the end-to-end TV loss on the frozen policy's own
-rollouts (about 2.5 minutes), then speculative decoding against autoregressive decoding and
-the report (about 1.5 minutes). Writes <workdir>/report.md, summary.json and plots/. Each stage is skipped
+(7.5 to 14.5 minutes, depending on the machine), MTP training with the end-to-end TV loss on
+the frozen policy's own rollouts (2 to 3.5 minutes), then speculative decoding against
+autoregressive decoding and the report (1.5 to 2 minutes). Writes <workdir>/report.md, summary.json and plots/. Each stage is skipped
 when complete and resumed from its last checkpoint when interrupted: rerun the same command.
 """
 

@@ -124,8 +124,8 @@ def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
                                  split_fixed_cost=True)
   (row,) = rows
   assert row["prompts"] == 4 and row["spec_tokens"] > row["prompts"]
-  # The max_new_tokens=1 pass is a part of the full pass's work, so it takes less time.
-  assert 0 < row["ar_fixed_seconds"] < row["ar_seconds"]
-  assert 0 < row["spec_fixed_seconds"] < row["spec_seconds"]
-  assert 0 < row["ar_fixed_share"] < 1 and row["decode_phase_speedup"] > 0
+  # Wall-clock values are not compared (a timed test would be flaky); the bookkeeping is.
+  assert row["ar_fixed_seconds"] > 0 and row["spec_fixed_seconds"] > 0
+  assert row["ar_fixed_share"] == row["ar_fixed_seconds"] / row["ar_seconds"]
+  assert np.isfinite(row["decode_phase_speedup"])
   assert benchmark.format_row(row).count("|") == benchmark.header(True).split("\n")[0].count("|")
