@@ -120,10 +120,10 @@ def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
   _, workdir, config = job
   graphdef, state = mtp.load_policy(config, workdir)
   rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
-                                 modes=["rejection"], max_new=16, repeats=1, num_prompts=4,
+                                 modes=["rejection"], max_new=16, repeats=1, num_prompts=2,
                                  split_fixed_cost=True)
   (row,) = rows
-  assert row["prompts"] == 4 and row["spec_tokens"] > row["prompts"]
+  assert row["prompts"] == 2 and row["spec_tokens"] > row["prompts"]
   # Wall-clock values are not compared (a timed test would be flaky); the bookkeeping is.
   assert row["ar_fixed_seconds"] > 0 and row["spec_fixed_seconds"] > 0
   assert row["ar_fixed_share"] == row["ar_fixed_seconds"] / row["ar_seconds"]
