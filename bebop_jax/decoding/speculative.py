@@ -9,10 +9,12 @@ h0_n is known) and x_{n+1}, already sampled from p_n. One iteration:
      (every depth-cache entry is written with committed tokens before it leaves the window):
      the frontier advances by a + 1 <= K + 1, so the window covers every position not yet
      written; an entry at j written with draft d_m (m = j + k - n - 1 in 1..k-1) is wrong
-     only when d_m is rejected (a < m), and then j > n + 1 + a - K, i.e. inside the next
-     window [n' - K, n'] with n' = n + a + 1. Entries below the window are never rewritten,
-     so they are exact; the depth-(k-1) hidden states the window needs come from the same
-     window one depth down.
+     only when d_m is not committed (rejected, a < m; or cut by a stop token, which ends
+     the turn), and then j > n + 1 + a - K, i.e. inside the next window [n' - K, n'] with
+     n' = n + a + 1 (or inside the repair window of `continue_with_reply`, which starts at
+     n' - K too). So an entry that falls below the window is exact, and it is never written
+     again; the depth-(k-1) hidden states a window needs come from the same window one
+     depth down.
   2. Verify: one target forward over [x_{n+1}, d_1..d_K] at positions n+1..n+K+1 gives
      p_{n+1}..p_{n+K+1}; `verify` accepts a prefix and draws the next token.
   3. Commit a drafts and the next token; new frontier n + a + 1. Cache entries past it are
