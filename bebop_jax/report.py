@@ -176,6 +176,13 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   os.makedirs(out, exist_ok=True)
   paths = {}
 
+  def save(fig, name: str) -> str:
+    fig.tight_layout()
+    path = os.path.join(out, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
   fig, ax = plt.subplots(figsize=(6, 4))
   for mode, acc in s["decode"]["acceptance_online"].items():
     depths = np.arange(1, len(acc) + 1)
@@ -187,10 +194,7 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   ax.set_xticks(depths)
   ax.legend()
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  paths["acceptance_by_depth"] = os.path.join(out, "acceptance_by_depth.png")
-  fig.savefig(paths["acceptance_by_depth"], dpi=120)
-  plt.close(fig)
+  paths["acceptance_by_depth"] = save(fig, "acceptance_by_depth")
 
   fig, ax = plt.subplots(figsize=(6, 4))
   for mode, (ent, alpha) in entropy.items():
@@ -207,10 +211,7 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   ax.set_ylabel("depth-1 acceptance (teacher-forced)")
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  paths["acceptance_vs_entropy"] = os.path.join(out, "acceptance_vs_entropy.png")
-  fig.savefig(paths["acceptance_vs_entropy"], dpi=120)
-  plt.close(fig)
+  paths["acceptance_vs_entropy"] = save(fig, "acceptance_vs_entropy")
 
   fig, ax = plt.subplots(figsize=(6, 4))
   rows = s["decode"]["benchmark"]
@@ -227,10 +228,7 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   ax.set_xlabel("batch size")
   ax.set_ylabel("speedup vs autoregressive (wall clock)")
   ax.legend()
-  fig.tight_layout()
-  paths["speedup_by_batch"] = os.path.join(out, "speedup_by_batch.png")
-  fig.savefig(paths["speedup_by_batch"], dpi=120)
-  plt.close(fig)
+  paths["speedup_by_batch"] = save(fig, "speedup_by_batch")
   return paths
 
 

@@ -394,12 +394,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   data_iter = iter(dataset)
   checkpointer = checkpoint_lib.Checkpointer(
       os.path.join(stage_dir(workdir), "checkpoints"), keep_last=m.train.keep_checkpoints)
-  latest = checkpointer.latest_step()
+  state, latest = trainer.resume(checkpointer, state, data_iter)
   if latest is not None:
-    restored = checkpointer.restore(latest, checkpoint_lib.abstract_like(
-        state.checkpoint_tree()), data_iterator=data_iter)
-    state = trainer.TrainState(restored["trainable"], state.frozen, restored["opt_state"],
-                               restored["step"])
     print(f"[mtp] resumed from step {latest}")
   depth_weights = tuple(m.depth_weights) or None
   impl = None if m.tv_implementation == "auto" else m.tv_implementation

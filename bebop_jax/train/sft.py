@@ -115,12 +115,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   checkpointer = checkpoint_lib.Checkpointer(
       os.path.join(stage_dir(workdir), "checkpoints"), keep_last=s.train.keep_checkpoints,
       best_metric="pass_at_1_mean")
-  latest = checkpointer.latest_step()
+  state, latest = trainer.resume(checkpointer, state, data_iter)
   if latest is not None:
-    restored = checkpointer.restore(latest, checkpoint_lib.abstract_like(
-        state.checkpoint_tree()), data_iterator=data_iter)
-    state = trainer.TrainState(restored["trainable"], state.frozen, restored["opt_state"],
-                               restored["step"])
     print(f"[sft] resumed from step {latest}")
 
   k_steps = model_cfg.num_draft_steps if s.mtp_loss_weight > 0 else 0

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bebop_jax import sharding
+from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, dict]]
@@ -153,6 +154,20 @@ def place_state(state: TrainState, mesh: Mesh, rules, tx) -> TrainState:
       opt_state=put(state.opt_state, opt_state_shardings(tx, state.opt_state, train_sh, mesh)),
       step=jax.device_put(jnp.asarray(state.step, jnp.int32),
                           NamedSharding(mesh, PartitionSpec())))
+
+
+def resume(checkpointer, state: TrainState, data_iterator=None
+           ) -> tuple[TrainState, int | None]:
+  """(state restored from the checkpointer's latest step, that step), or (state, None) when
+  there is no checkpoint yet. The frozen part is not checkpointed and is kept; the data
+  iterator, if given, is restored in place."""
+  latest = checkpointer.latest_step()
+  if latest is None:
+    return state, None
+  restored = checkpointer.restore(latest, checkpoint_lib.abstract_like(
+      state.checkpoint_tree()), data_iterator=data_iterator)
+  return TrainState(restored["trainable"], state.frozen, restored["opt_state"],
+                    restored["step"]), latest
 
 
 @dataclasses.dataclass
