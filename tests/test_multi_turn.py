@@ -61,22 +61,22 @@ def test_caches_after_a_reply_equal_a_fresh_prefill_of_the_whole_context():
                                atol=2e-5)
     for name in ("k", "v"):
       np.testing.assert_allclose(
-          np.asarray(getattr(ds.cache.main, name)[:, row, :n + 1]),
-          np.asarray(getattr(fresh.main, name)[:, row, :n + 1]), atol=2e-5)
+          np.asarray(ds.cache.main.stacked(name)[:, row, :, :n + 1]),
+          np.asarray(fresh.main.stacked(name)[:, row, :, :n + 1]), atol=2e-5)
       for depth in range(1, K + 1):
         # Depth k at position j needs x_{j+k}; committed up to n + 1.
         end = n + 2 - depth
         np.testing.assert_allclose(
-            np.asarray(getattr(ds.cache.mtp, name)[depth - 1, row, :end]),
-            np.asarray(getattr(fresh.mtp, name)[depth - 1, row, :end]), atol=2e-5,
+            np.asarray(ds.cache.mtp.stacked(name)[depth - 1, row, :, :end]),
+            np.asarray(fresh.mtp.stacked(name)[depth - 1, row, :, :end]), atol=2e-5,
             err_msg=f"row {row} depth {depth} {name}")
   # The row without a reply is untouched.
   untouched = lambda s: (s.seq, s.hidden, s.frontier, s.done, s.out.tokens, s.out.lengths,
                          s.out.policy_mask, s.out.logprobs)
   for a, b in zip(untouched(before), untouched(ds)):
     np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b[2]))
-  for a, b in zip(jax.tree.leaves(before.cache), jax.tree.leaves(ds.cache)):
-    np.testing.assert_array_equal(np.asarray(a[:, 2]), np.asarray(b[:, 2]))
+  for a, b in zip(jax.tree.leaves(before.cache), jax.tree.leaves(ds.cache)):  # [B, KV, S, D]
+    np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b[2]))
 
 
 @dataclasses.dataclass

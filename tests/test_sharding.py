@@ -370,9 +370,9 @@ def test_sharded_cached_decoding_matches_unsharded(shape, axes, overrides):
   mesh = sharding.make_mesh(shape, axes)
   state_sh = sharding.state_shardings(state, mesh, RULES)
   cache_sh = policy_lib.cache_shardings(cache, mesh, RULES)
-  assert cache_sh.main.k.spec[1] is not None  # batch is sharded
+  assert cache_sh.main.k[0].spec[0] is not None  # batch is sharded
   kv_split = cfg.num_kv_heads % mesh.shape["tensor"] == 0
-  assert cache_sh.main.k.spec[3] == ("tensor" if kv_split else None)
+  assert cache_sh.main.k[0].spec[1] == ("tensor" if kv_split else None)
   data = lambda n: sharding.data_sharding(mesh, RULES, n)
   logits_sh = _named(mesh, ("batch", "length", "vocab"), (b, chunk, cfg.vocab_size))
   hidden_sh = _named(mesh, ("batch", "length", "embed"), (b, chunk, cfg.d_model))
@@ -471,7 +471,7 @@ def test_pod_scale_preset_compiles_ahead_of_time_on_a_simulated_mesh(name, capfd
   model = nnx.merge(graphdef, abstract)
   cache = jax.eval_shape(lambda: model.init_cache(POD_BATCH, POD_CACHE))
   cache_sh = policy_lib.cache_shardings(cache, mesh, RULES)
-  assert cache_sh.main.k.spec == P(None, "fsdp", None, "tensor", None)
+  assert cache_sh.main.k[0].spec == P("fsdp", "tensor", None, None)
   cache_in = _with_sharding(cache, cache_sh)
   chunk = 4
   logits_sh = _named(mesh, ("batch", "length", "vocab"), (POD_BATCH, chunk, cfg.vocab_size))

@@ -62,14 +62,14 @@ def test_caches_below_the_draft_window_equal_a_fresh_prefill(mode):
   for row, n in enumerate(n_all):
     np.testing.assert_allclose(np.asarray(ds.hidden[row, :n + 1]), np.asarray(h0[row, :n + 1]),
                                atol=2e-5)
-    for name in ("k", "v"):
-      np.testing.assert_allclose(np.asarray(getattr(ds.cache.main, name)[:, row, :n + 1]),
-                                 np.asarray(getattr(fresh.main, name)[:, row, :n + 1]),
+    for name in ("k", "v"):  # [blocks, B, KV, S, D]
+      np.testing.assert_allclose(np.asarray(ds.cache.main.stacked(name)[:, row, :, :n + 1]),
+                                 np.asarray(fresh.main.stacked(name)[:, row, :, :n + 1]),
                                  atol=2e-5)
       for depth in range(1, k + 1):
         np.testing.assert_allclose(
-            np.asarray(getattr(ds.cache.mtp, name)[depth - 1, row, :n - k]),
-            np.asarray(getattr(fresh.mtp, name)[depth - 1, row, :n - k]), atol=2e-5,
+            np.asarray(ds.cache.mtp.stacked(name)[depth - 1, row, :, :n - k]),
+            np.asarray(fresh.mtp.stacked(name)[depth - 1, row, :, :n - k]), atol=2e-5,
             err_msg=f"row {row} depth {depth} {name}")
 
 

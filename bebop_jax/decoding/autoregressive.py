@@ -30,9 +30,9 @@ class GenerateOutput:
 
 @flax.struct.dataclass
 class _LoopState:
-  step: jax.Array
+  step: jax.Array    # tokens emitted so far (the output slot of the next one)
   rng: jax.Array
-  logits: jax.Array
+  token: jax.Array   # [B] the last emitted token (input of the next forward)
   cache: object
   done: jax.Array
   out: GenerateOutput
@@ -61,37 +61,41 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
   check_lengths(p, max_new_tokens, cache_length)
   model = nnx.merge(graphdef, state)
   cache = model.init_cache(b, cache_length)
-  logits, _, cache = model.prefill(cache, prompt_tokens, mtp=False)
+  w = model.decode_weights()  # once, outside the loop (see Policy.decode_weights)
+  logits, _, cache = model.prefill(cache, prompt_tokens, mtp=False, weights=w)
   rows = jnp.arange(b)
   stop = jnp.asarray(stop_tokens, jnp.int32)
   zeros = lambda dt: jnp.zeros((b, max_new_tokens), dt)
-  init = _LoopState(
-      step=jnp.int32(0), rng=sampling.row_keys(rng, b), logits=logits[rows, prompt_lengths - 1], cache=cache,
-      done=jnp.zeros((b,), bool),
-      out=GenerateOutput(tokens=zeros(jnp.int32), lengths=jnp.zeros((b,), jnp.int32),
-                         logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
-                         target_forwards=jnp.int32(0)))
 
-  def cond(s: _LoopState):
-    return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-  def body(s: _LoopState):
+  def emit(s: _LoopState, logits: jax.Array) -> _LoopState:
+    """Samples token `s.step` of every active row from its logits [B, V]."""
     rng, key = sampling.split_rows(s.rng, 2)
-    logp = sampling.sampling_logprobs(s.logits, params)
-    tok = sampling.sample(key, logp)
+    logp = sampling.sampling_logprobs(logits, params)
     active = ~s.done
-    tok = jnp.where(active, tok, 0)
+    tok = jnp.where(active, sampling.sample(key, logp), 0)
     o = s.out
     out = o.replace(
         tokens=o.tokens.at[:, s.step].set(tok),
         lengths=o.lengths + active,
         logprobs=o.logprobs.at[:, s.step].set(jnp.where(active, logp[rows, tok], 0.0)),
-        entropy=o.entropy.at[:, s.step].set(
-            jnp.where(active, sampling.entropy(s.logits), 0.0)),
-        target_forwards=o.target_forwards + 1)
-    done = s.done | jnp.isin(tok, stop)
-    logits, _, cache = model.step(s.cache, tok[:, None], prompt_lengths + s.step)
-    return _LoopState(step=s.step + 1, rng=rng, logits=logits[:, 0], cache=cache, done=done,
-                      out=out)
+        entropy=o.entropy.at[:, s.step].set(jnp.where(active, sampling.entropy(logits), 0.0)))
+    done = s.done | jnp.isin(tok, stop) | (s.step + 1 >= max_new_tokens)
+    return s.replace(step=s.step + 1, rng=rng, token=tok, done=done, out=out)
 
-  return jax.lax.while_loop(cond, body, init).out
+  init = _LoopState(
+      step=jnp.int32(0), rng=sampling.row_keys(rng, b), token=jnp.zeros((b,), jnp.int32),
+      cache=cache, done=jnp.zeros((b,), bool),
+      out=GenerateOutput(tokens=zeros(jnp.int32), lengths=jnp.zeros((b,), jnp.int32),
+                         logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
+                         target_forwards=jnp.int32(0)))
+  # The first token comes from the prefill's logits; each forward then scores the token
+  # after the last one, so no forward runs past the last token.
+  first = emit(init, logits[rows, prompt_lengths - 1])
+
+  def body(s: _LoopState):
+    logits, _, cache = model.step(s.cache, s.token[:, None], prompt_lengths + s.step - 1,
+                                  weights=w)
+    s = s.replace(cache=cache, out=s.out.replace(target_forwards=s.out.target_forwards + 1))
+    return emit(s, logits[:, 0])
+
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, first).out

@@ -126,14 +126,14 @@ def _emit_sampled(s: DecodeState, logits: jax.Array, key: jax.Array, active: jax
   return s.replace(seq=seq, out=out, done=done)
 
 
-def _start(model, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, cache_length,
+def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, cache_length,
            params, stop, max_turn_tokens) -> DecodeState:
   b, p = prompt_tokens.shape
   check_lengths(p, max_new_tokens, cache_length, extra=k + 1)
   buf_len = cache_length + 2 * k + 2  # room for drafts and windows past the cache end
   rows = jnp.arange(b)
   cache = model.init_cache(b, cache_length)
-  logits, h0, cache = model.prefill(cache, prompt_tokens)
+  logits, h0, cache = model.prefill(cache, prompt_tokens, weights=w)
   zeros = lambda dt, n=max_new_tokens: jnp.zeros((b, n), dt)
   lengths = jnp.zeros((b,), jnp.int32)
   s = DecodeState(
@@ -154,8 +154,8 @@ def _start(model, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, cach
   return _emit_sampled(s, logits[rows, s.frontier], key, jnp.ones((b,), bool), params, stop)
 
 
-def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
-  """Runs the draft-verify-commit loop until every row is done."""
+def _decode(model, w, s: DecodeState, *, params, mode, stop) -> DecodeState:
+  """Runs the draft-verify-commit loop until every row is done (w: model.decode_weights())."""
   b = s.seq.shape[0]
   buf_len = s.seq.shape[1]
   k = s.out.attempted.shape[1]
@@ -187,7 +187,8 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
     drafts, draft_probs = [], []
     for depth in range(1, k + 1):
       q_logits, h_prev, cache = model.mtp_step(cache, depth, h_prev,
-                                               ext[:, depth:depth + window], start, at_n)
+                                               ext[:, depth:depth + window], start, at_n,
+                                               weights=w)
       q_logp = sampling.sampling_logprobs(q_logits, params)
       if mode in ("greedy_draft", "exact"):
         d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
@@ -201,7 +202,7 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
     draft_probs = jnp.stack(draft_probs, axis=1)
     # 2. Verify with one target forward over [x_{n+1}, d_1..d_K].
     chunk = jnp.concatenate([s.seq[rows, n + 1][:, None], drafts], axis=1)
-    t_logits, t_hidden, cache = model.step(cache, chunk, n + 1)
+    t_logits, t_hidden, cache = model.step(cache, chunk, n + 1, weights=w)
     t_logp = sampling.sampling_logprobs(t_logits, params)
     num_acc, nxt = verify_lib.verify(verify_key, drafts, draft_probs, jnp.exp(t_logp), mode)
     # 3. Commit: emitted tokens e_0..e_a = d_1..d_a, next; e_i sits at position n+2+i and is
@@ -253,7 +254,7 @@ def _decode(model, s: DecodeState, *, params, mode, stop) -> DecodeState:
   return s.replace(out=s.out.replace(policy_mask=s.out.policy_mask | emitted))
 
 
-def _append(model, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
+def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
             max_turn_tokens) -> DecodeState:
   """Appends reply_tokens[b, :reply_lengths[b]] after row b's last token where
   reply_lengths[b] > 0 (other rows stay as they are) and samples the token after it."""
@@ -272,7 +273,7 @@ def _append(model, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
   # where writes are dropped).
   chunk = jnp.concatenate([s.seq[rows, n + 1][:, None], reply_tokens], axis=1)
   start = jnp.where(active, n + 1, cache_length)
-  logits, h0, cache = model.step(s.cache, chunk, start)
+  logits, h0, cache = model.step(s.cache, chunk, start, weights=w)
   buf_len = s.seq.shape[1]
   reply_pos = jnp.where(active[:, None] & in_reply, n[:, None] + 2 + idx, buf_len)
   seq = s.seq.at[rows[:, None], reply_pos].set(reply_tokens, mode="drop")
@@ -297,7 +298,7 @@ def _append(model, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
   cache = s.cache
   for depth in range(1, k + 1):
     _, h_prev, cache = model.mtp_step(cache, depth, h_prev, s.seq[rows[:, None], win + depth],
-                                      w_start)
+                                      w_start, weights=w)
   return s.replace(cache=cache)
 
 
@@ -316,10 +317,11 @@ def _first_turn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arr
   model = nnx.merge(graphdef, state)
   k = _num_drafts(model, num_draft_steps)
   stop = jnp.asarray(stop_tokens, jnp.int32)
-  s = _start(model, prompt_tokens, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
+  w = model.decode_weights()
+  s = _start(model, w, prompt_tokens, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
              cache_length=cache_length, params=params, stop=stop,
              max_turn_tokens=max_turn_tokens)
-  return _decode(model, s, params=params, mode=mode, stop=stop)
+  return _decode(model, w, s, params=params, mode=mode, stop=stop)
 
 
 _FIRST_STATIC = _STATIC + ("max_new_tokens", "cache_length", "num_draft_steps")
@@ -338,9 +340,10 @@ def continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: 
   _check_mode(mode, params)
   model = nnx.merge(graphdef, state)
   stop = jnp.asarray(stop_tokens, jnp.int32)
-  s = _append(model, decode_state, reply_tokens, reply_lengths, params=params, stop=stop,
+  w = model.decode_weights()
+  s = _append(model, w, decode_state, reply_tokens, reply_lengths, params=params, stop=stop,
               max_turn_tokens=max_turn_tokens)
-  return _decode(model, s, params=params, mode=mode, stop=stop)
+  return _decode(model, w, s, params=params, mode=mode, stop=stop)
 
 
 @functools.partial(jax.jit, static_argnames=_FIRST_STATIC)

@@ -67,14 +67,37 @@ def cache_mask(query_positions: jax.Array, cache_len: int) -> jax.Array:
   return jnp.arange(cache_len)[None, None, :] <= query_positions[:, :, None]
 
 
-def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array,
-                layer: jax.Array | int) -> jax.Array:
-  """Writes new [B, T, ...] into the stacked cache [L, B, S, ...] of layer `layer` at
-  per-token positions [B, T]: a scatter into the whole buffer, so XLA updates it in place
-  (no per-step copy of the cache). Positions outside [0, S) are dropped (never clamped onto
-  other entries)."""
-  rows = jnp.arange(cache.shape[1])[:, None]
-  return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """Writes new [B, T, KV, D] into one block's cache [B, KV, S, D] at per-token positions
+  [B, T]: a scatter into the buffer, so XLA updates it in place (no per-step copy).
+  Positions outside [0, S) are dropped (never clamped onto other entries)."""
+  b, _, kv, _ = new.shape
+  rows = jnp.arange(b)[:, None, None]
+  heads = jnp.arange(kv)[None, :, None]
+  new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, KV, T, D]
+  return cache.at[rows, heads, positions[:, None, :]].set(new, mode="drop")
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention of a few queries over one block's cache.
+
+  Args:
+    q: [B, T, H, D] queries. k, v: [B, KV, S, D] (the cache layout: every product below is a
+      plain batched matmul over (B, KV), so nothing of size S is transposed or copied).
+    mask: [B, T, S] bool, True = may attend.
+  Returns:
+    [B, T, H, D] in q's dtype; softmax in float32.
+  """
+  b, t, h, d = q.shape
+  kv = k.shape[1]
+  g = h // kv
+  q = jnp.transpose(q.reshape(b, t, kv, g, d), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, d)
+  scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
+  scores = scores.reshape(b, kv, g, t, -1) * (d ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
+  out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kv, g, t, d)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
 
 
 def dense(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
@@ -92,24 +115,23 @@ def dense(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
 
 def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
           mask: jax.Array | None = None,
-          kv_cache: tuple[jax.Array, jax.Array, jax.Array | int] | None = None,
+          kv_cache: tuple[jax.Array, jax.Array] | None = None,
           kv_len: int | None = None,
           rope_theta: float, eps: float, qk_norm: bool
           ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
   """One pre-norm transformer block: x + Attn(norm x), then + SwiGLU(norm x).
 
   Args:
-    p: one layer's parameters (see model.BLOCK_PARAMS), already in the compute dtype.
+    p: one layer's parameters (see model._block_shapes), already in the compute dtype.
     x: [B, T, E] residual stream.
     positions: [B, T] absolute positions (RoPE; cache slots when decoding).
     mask: [B, T, T] self-attention mask (teacher-forced mode, no cache).
-    kv_cache: (k, v, layer): stacked caches [L, B, S, KV, D] and this block's index in
-      them; the new keys and values are written at `positions` and the queries attend over
-      the layer's whole cache with a causal-by-position mask.
+    kv_cache: (k, v): this block's caches [B, KV, S, D]; the new keys and values are written
+      at `positions` and the queries attend over the cache with a causal-by-position mask.
     kv_len: with kv_cache, attend over the first kv_len cache positions only (static; a
       prefill at positions < kv_len need not read, or mask, the rest of the cache).
   Returns:
-    (new x [B, T, E], updated stacked (k, v) caches or None).
+    (new x [B, T, E], this block's updated (k, v) caches or None).
   """
   h = rms_norm(x, p["attn_norm"], eps)
   q = dense(h, p["wq"])
@@ -124,13 +146,12 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
     out = attention(q, k, v, mask)
     new_cache = None
   else:
-    all_k, all_v, layer = kv_cache
-    all_k = write_cache(all_k, k, positions, layer)
-    all_v = write_cache(all_v, v, positions, layer)
-    s_len = all_k.shape[2] if kv_len is None else kv_len
-    out = attention(q, all_k[layer, :, :s_len], all_v[layer, :, :s_len],
-                    cache_mask(positions, s_len))
-    new_cache = (all_k, all_v)
+    k_cache = write_cache(kv_cache[0], k, positions)
+    v_cache = write_cache(kv_cache[1], v, positions)
+    s_len = k_cache.shape[2] if kv_len is None else kv_len
+    out = cached_attention(q, k_cache[:, :, :s_len], v_cache[:, :, :s_len],
+                           cache_mask(positions, s_len))
+    new_cache = (k_cache, v_cache)
   b, t, heads, d = out.shape
   x = x + dense(out.reshape(b, t, heads * d), p["wo"].reshape(heads * d, -1))
   x = sharding.constrain(x, ("batch", "length", "embed"))

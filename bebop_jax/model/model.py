@@ -7,7 +7,10 @@ math is in pure functions of arrays. Use it functionally: split once,
 
 then call jitted functions of `(state, inputs)` that `nnx.merge(graphdef, state)` inside.
 Block parameters are stacked along a leading axis (main: num_layers, MTP: num_mtp_modules)
-and the main model scans over its layers, so compile time does not grow with depth.
+and the teacher-forced model scans over its layers, so compile time does not grow with depth.
+Decoding unrolls the layers instead, over per-block slices taken once by `decode_weights`
+and per-block caches: a decode step is tiny, and inside a decoding `while_loop` a scan would
+copy every layer's weights and cache slice at every step (see `decode_weights`).
 
 Notation (0-based positions 0..T-1): the main model at i gives hidden h0_i and logits of
 p_i = P(x_{i+1} | x_{<=i}). MTP depth k = 1..K at position i:
@@ -92,13 +95,20 @@ class MTPModules(nnx.Module):
 
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values of a stack of blocks: k, v [num_blocks, B, S, KV, D]."""
-  k: jax.Array
-  v: jax.Array
+  """Keys and values of a stack of blocks, one buffer per block: k[i], v[i] [B, KV, S, D].
+
+  Separate buffers (not one stacked array) so a decode step updates and reads each block's
+  cache in place; the [KV, S, D] order makes attention's products plain batched matmuls."""
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
 
   @property
   def length(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[2]
+
+  def stacked(self, name: str) -> jax.Array:
+    """k or v of every block stacked: [num_blocks, B, KV, S, D] (for tests and inspection)."""
+    return jnp.stack(getattr(self, name))
 
 
 @flax.struct.dataclass
@@ -112,7 +122,7 @@ class Cache:
     return self.main.length
 
 
-CACHE_AXES = ("cache_stack", "batch", "cache_length", "kv_heads", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")  # of each block's buffer
 
 
 class Policy(nnx.Module):
@@ -163,39 +173,64 @@ class Policy(nnx.Module):
     logits = layers.dense(h, shared["head"], preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "vocab"))
 
-  def _main_blocks(self, x, positions, *, mask=None, cache: KVCache | None = None,
-                   kv_len: int | None = None):
-    params = self.layers.arrays(self.config.compute_dtype)
+  def _main_blocks(self, x, positions, *, mask=None):
+    """Teacher-forced: a scan over the stacked layers."""
     kw = self._block_kwargs()
-    if cache is None:
-      def body(x, p):
-        return layers.block(p, x, positions, mask=mask, **kw)[0], None
-      x, _ = jax.lax.scan(body, x, params)
-      return x, None
 
-    # The stacked cache rides in the carry and each layer scatters into it in place; as scan
-    # inputs/outputs it would be re-stacked, i.e. copied whole, at every decode step.
-    def body_cached(carry, xs):
-      x, k, v = carry
-      p, layer = xs
-      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v, layer), kv_len=kv_len, **kw)
-      return (x, k, v), None
-    layer_ids = jnp.arange(self.config.num_layers)
-    (x, k, v), _ = jax.lax.scan(body_cached, (x, cache.k, cache.v), (params, layer_ids))
-    return x, KVCache(k=k, v=v)
+    def body(x, p):
+      return layers.block(p, x, positions, mask=mask, **kw)[0], None
+    x, _ = jax.lax.scan(body, x, self.layers.arrays(self.config.compute_dtype))
+    return x
 
-  def _mtp_input(self, module: int, h_prev: jax.Array, emb: jax.Array) -> jax.Array:
-    """u = W_m [RMSNorm(h_prev); RMSNorm(emb)]."""
-    c, dt = self.config, self.config.compute_dtype
-    hn = layers.rms_norm(h_prev, self.mtp.hidden_norm[module], c.norm_eps)
-    en = layers.rms_norm(emb, self.mtp.embed_norm[module], c.norm_eps)
-    u = layers.dense(jnp.concatenate([hn, en], axis=-1), self.mtp.proj[module].astype(dt))
+  def _main_blocks_cached(self, weights, x, positions, cache: KVCache, kv_len: int | None):
+    """Decoding: the layers unrolled, each on its own weight slices and cache buffers."""
+    kw = self._block_kwargs()
+    ks, vs = [], []
+    for p, k, v in zip(weights["layers"], cache.k, cache.v):
+      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v), kv_len=kv_len, **kw)
+      ks.append(k)
+      vs.append(v)
+    return x, KVCache(k=tuple(ks), v=tuple(vs))
+
+  def _mtp_module(self, module: int) -> dict[str, jax.Array]:
+    """MTP module `module`'s parameters in the compute dtype: its input norms and projection
+    ("hidden_norm", "embed_norm", "proj") and its block's (the other names)."""
+    dt = self.config.compute_dtype
+    params = {n: a[module] for n, a in self.mtp.blocks.arrays(dt).items()}
+    params.update(hidden_norm=self.mtp.hidden_norm[module], embed_norm=self.mtp.embed_norm[module],
+                  proj=self.mtp.proj[module].astype(dt))
+    return params
+
+  def _mtp_input(self, p: dict[str, jax.Array], h_prev: jax.Array, emb: jax.Array
+                 ) -> jax.Array:
+    """u = W_m [RMSNorm(h_prev); RMSNorm(emb)] with module m's parameters p."""
+    eps = self.config.norm_eps
+    hn = layers.rms_norm(h_prev, p["hidden_norm"], eps)
+    en = layers.rms_norm(emb, p["embed_norm"], eps)
+    u = layers.dense(jnp.concatenate([hn, en], axis=-1), p["proj"])
     return sharding.constrain(u, ("batch", "length", "embed"))
 
-  def _mtp_block(self, module: int, u, positions, *, mask=None, kv_cache=None, kv_len=None):
-    params = {n: a[module] for n, a in self.mtp.blocks.arrays(self.config.compute_dtype).items()}
-    return layers.block(params, u, positions, mask=mask, kv_cache=kv_cache, kv_len=kv_len,
+  def _mtp_block(self, p: dict[str, jax.Array], u, positions, *, mask=None, kv_cache=None,
+                 kv_len=None):
+    return layers.block(p, u, positions, mask=mask, kv_cache=kv_cache, kv_len=kv_len,
                         **self._block_kwargs())
+
+  def decode_weights(self) -> dict[str, Any]:
+    """The parameters as decoding uses them: per-block slices of the stacked layers and MTP
+    modules, cast to the compute dtype, and the shared embedding, final norm and head.
+
+    `step`, `mtp_step` and `prefill` take them as `weights=`; a decoding loop computes them
+    once, before its `while_loop`. Taken inside the loop body, every slice (and the tied
+    head's transpose) is a copy of the weights at every step: XLA does not hoist them.
+    """
+    dt = self.config.compute_dtype
+    stacked = self.layers.arrays(dt)
+    return {
+        "shared": self._shared(stop_gradient=False),
+        "layers": tuple({n: a[i] for n, a in stacked.items()}
+                        for i in range(self.config.num_layers)),
+        "mtp": tuple(self._mtp_module(m) for m in range(self.config.num_mtp_modules)),
+    }
 
   # ---------------------------------------------------------------- teacher-forced
 
@@ -226,8 +261,8 @@ class Policy(nnx.Module):
     attn_mask = layers.causal_segment_mask(segment_ids)
 
     shared = self._shared(stop_gradient=False)
-    h0, _ = self._main_blocks(self._embed(shared["embed"], tokens, gather_table=True),
-                              positions, mask=attn_mask)
+    h0 = self._main_blocks(self._embed(shared["embed"], tokens, gather_table=True),
+                           positions, mask=attn_mask)
     out = {"logits": self._logits(shared, h0), "hidden": h0,
            "mask": shifted_valid(segment_ids, 1)}
     if k_steps == 0:
@@ -237,10 +272,9 @@ class Policy(nnx.Module):
     h_prev = jax.lax.stop_gradient(h0) if stop else h0
     mtp_logits, mtp_hidden, mtp_mask = [], [], []
     for depth in range(1, k_steps + 1):
-      module = c.mtp_module_index(depth)
+      p = self._mtp_module(c.mtp_module_index(depth))
       emb = self._embed(mtp_shared["embed"], shift_left(tokens, depth), gather_table=True)
-      u = self._mtp_input(module, h_prev, emb)
-      h_prev, _ = self._mtp_block(module, u, positions, mask=attn_mask)
+      h_prev, _ = self._mtp_block(p, self._mtp_input(p, h_prev, emb), positions, mask=attn_mask)
       mtp_hidden.append(h_prev)
       mtp_logits.append(self._logits(mtp_shared, h_prev))
       mtp_mask.append(shifted_valid(segment_ids, depth + 1))
@@ -253,13 +287,15 @@ class Policy(nnx.Module):
   def init_cache(self, batch_size: int, cache_length: int) -> Cache:
     """Zeroed caches for `batch_size` rows of up to `cache_length` positions."""
     c = self.config
-    shape = lambda n: (n, batch_size, cache_length, c.num_kv_heads, c.head_dim)
-    zeros = lambda n: jnp.zeros(shape(n), c.compute_dtype)
+    zeros = lambda n: tuple(
+        jnp.zeros((batch_size, c.num_kv_heads, cache_length, c.head_dim), c.compute_dtype)
+        for _ in range(n))
     return Cache(main=KVCache(k=zeros(c.num_layers), v=zeros(c.num_layers)),
                  mtp=KVCache(k=zeros(c.num_draft_steps), v=zeros(c.num_draft_steps)))
 
   def step(self, cache: Cache, tokens: jax.Array, start: jax.Array, *,
-           attend_len: int | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+           attend_len: int | None = None, weights: dict[str, Any] | None = None
+           ) -> tuple[jax.Array, jax.Array, Cache]:
     """Main model on a chunk of C tokens per row at positions start[b] + 0..C-1.
 
     Writes the main cache at those positions; entries past a row's committed frontier are
@@ -268,19 +304,22 @@ class Policy(nnx.Module):
       tokens: [B, C] int. start: [B] int, first position of each row's chunk.
       attend_len: static bound on every position of the chunk + 1 (the prefill's P): the
         queries attend over the first attend_len cache positions only.
+      weights: `decode_weights()`, computed once outside a decoding loop (default: here).
     Returns:
       (logits [B, C, V] f32, hidden h0 [B, C, E], cache).
     """
     _check_fits(tokens.shape[1], cache.length, "chunk")
+    w = self.decode_weights() if weights is None else weights
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    shared = self._shared(stop_gradient=False)
-    h0, main = self._main_blocks(self._embed(shared["embed"], tokens), positions,
-                                 cache=cache.main, kv_len=attend_len)
+    shared = w["shared"]
+    h0, main = self._main_blocks_cached(w, self._embed(shared["embed"], tokens), positions,
+                                        cache.main, attend_len)
     return self._logits(shared, h0), h0, cache.replace(main=main)
 
   def mtp_step(self, cache: Cache, depth: int, h_prev: jax.Array, tokens: jax.Array,
                start: jax.Array, logits_at: jax.Array | None = None, *,
-               attend_len: int | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+               attend_len: int | None = None, weights: dict[str, Any] | None = None
+               ) -> tuple[jax.Array, jax.Array, Cache]:
     """MTP depth `depth` (1..K, static) over a window of W positions start[b] + 0..W-1.
 
     Args:
@@ -288,7 +327,7 @@ class Policy(nnx.Module):
       tokens: [B, W] the tokens x_{j+depth} for the window positions j.
       logits_at: optional [B] window index: the logits are needed there only (decoding
         drafts at the frontier), so the head runs on one position per row.
-      attend_len: as in `step`.
+      attend_len, weights: as in `step`.
     Returns:
       (draft logits [B, W, V] f32, or [B, V] at `logits_at`; hidden h^depth [B, W, E];
       cache with the depth's entries at the window positions rewritten).
@@ -297,26 +336,29 @@ class Policy(nnx.Module):
     if not 1 <= depth <= c.num_draft_steps:
       raise ValueError(f"depth={depth} is not allowed: must be in [1, {c.num_draft_steps}]")
     _check_fits(tokens.shape[1], cache.length, "MTP window")
+    w = self.decode_weights() if weights is None else weights
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    module = c.mtp_module_index(depth)
-    shared = self._shared(stop_gradient=False)
-    u = self._mtp_input(module, h_prev, self._embed(shared["embed"], tokens))
-    h, (k, v) = self._mtp_block(module, u, positions,
-                                kv_cache=(cache.mtp.k, cache.mtp.v, depth - 1),
+    p = w["mtp"][c.mtp_module_index(depth)]
+    shared = w["shared"]
+    u = self._mtp_input(p, h_prev, self._embed(shared["embed"], tokens))
+    i = depth - 1
+    h, (k, v) = self._mtp_block(p, u, positions, kv_cache=(cache.mtp.k[i], cache.mtp.v[i]),
                                 kv_len=attend_len)
-    mtp = KVCache(k=k, v=v)
+    replace = lambda buffers, new: buffers[:i] + (new,) + buffers[i + 1:]
+    mtp = KVCache(k=replace(cache.mtp.k, k), v=replace(cache.mtp.v, v))
     if logits_at is not None:
       at = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
       return self._logits(shared, at)[:, 0], h, cache.replace(mtp=mtp)
     return self._logits(shared, h), h, cache.replace(mtp=mtp)
 
-  def prefill(self, cache: Cache, tokens: jax.Array, *, mtp: bool = True
-              ) -> tuple[jax.Array, jax.Array, Cache]:
+  def prefill(self, cache: Cache, tokens: jax.Array, *, mtp: bool = True,
+              weights: dict[str, Any] | None = None) -> tuple[jax.Array, jax.Array, Cache]:
     """Prefills right-padded prompts [B, P] at positions 0..P-1: main cache and every depth.
 
     Depth k at position j needs x_{j+k}; past a row's prompt that token is not known yet, so
     those entries hold padding until the first MTP window rewrites them (DESIGN.md 4).
-    With mtp=False only the main cache is filled (plain autoregressive decoding).
+    With mtp=False only the main cache is filled (plain autoregressive decoding). `weights`
+    as in `step`.
     Returns (logits [B, P, V] f32, hidden h0 [B, P, E], cache).
     """
     _check_fits(tokens.shape[1], cache.length, "prompt")
@@ -324,11 +366,12 @@ class Policy(nnx.Module):
     start = jnp.zeros((b,), jnp.int32)
     # Every prompt position is < P: attend over the first P cache entries only.
     p = tokens.shape[1]
-    logits, h0, cache = self.step(cache, tokens, start, attend_len=p)
+    w = self.decode_weights() if weights is None else weights
+    logits, h0, cache = self.step(cache, tokens, start, attend_len=p, weights=w)
     h_prev = h0
     for depth in range(1, self.config.num_draft_steps + 1 if mtp else 1):
       _, h_prev, cache = self.mtp_step(cache, depth, h_prev, shift_left(tokens, depth), start,
-                                       attend_len=p)
+                                       attend_len=p, weights=w)
     return logits, h0, cache
 
 
@@ -354,10 +397,9 @@ def shifted_valid(segment_ids: jax.Array, k: int) -> jax.Array:
 
 def cache_shardings(cache: Cache, mesh, rules) -> Cache:
   """NamedShardings of a Cache (batch and kv heads sharded per the rules)."""
-  spec = lambda kv: jax.sharding.NamedSharding(
-      mesh, sharding.logical_to_spec(CACHE_AXES, rules, mesh, kv.k.shape))
-  main, mtp = spec(cache.main), spec(cache.mtp)
-  return Cache(main=KVCache(k=main, v=main), mtp=KVCache(k=mtp, v=mtp))
+  spec = lambda x: jax.sharding.NamedSharding(
+      mesh, sharding.logical_to_spec(CACHE_AXES, rules, mesh, x.shape))
+  return jax.tree.map(spec, cache)
 
 
 def init(config: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
