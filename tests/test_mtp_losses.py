@@ -112,7 +112,7 @@ def test_gradient_reaches_only_mtp_parameters(loss):
     out = nnx.merge(graphdef, state)(tokens)
     return mtp_losses.mtp_loss(out, tokens, jnp.ones_like(tokens), loss=loss)[0]
 
-  grads = jax.grad(f)(state)
+  grads = jax.jit(jax.grad(f))(state)
   flat = jax.tree_util.tree_leaves_with_path(grads)
   mtp = {jax.tree_util.keystr(p): float(jnp.abs(g).max()) for p, g in flat if "mtp" in
          jax.tree_util.keystr(p)}

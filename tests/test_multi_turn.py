@@ -45,7 +45,7 @@ def test_caches_after_a_reply_equal_a_fresh_prefill_of_the_whole_context():
   model = nnx.merge(GRAPHDEF, STATE)
   t = int(n_after.max()) + 2
   seq = ds.seq[:, :t]
-  _, h0, fresh = model.prefill(model.init_cache(3, 64), seq)
+  _, h0, fresh = jax.jit(lambda x: model.prefill(model.init_cache(3, 64), x))(seq)
   for row in range(2):
     n = int(n_after[row])
     # The reply sits right after the turn, in the sequence and in the output.

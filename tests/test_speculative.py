@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from bebop_jax.decoding import autoregressive, sampling, speculative
 from bebop_jax.model import config as model_config
@@ -48,7 +49,6 @@ def test_caches_below_the_draft_window_equal_a_fresh_prefill(mode):
   """The drafting invariant (DESIGN.md 4): every depth-cache entry below the window of the
   last K+1 positions was written with committed tokens. Mostly-wrong drafts of the random
   model make the frontier advance by varied amounts, rejected drafts leave stale entries."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   tokens, lengths = _prompts(b=4, seed=3)
   k = GRAPHDEF_K
   ds = speculative.start(GRAPHDEF, STATE, tokens, lengths, jax.random.key(2),
@@ -58,7 +58,8 @@ def test_caches_below_the_draft_window_equal_a_fresh_prefill(mode):
   assert 0 < accepted < 0.9 * attempted
   n_all = np.asarray(ds.frontier)
   model = nnx.merge(GRAPHDEF, STATE)
-  _, h0, fresh = model.prefill(model.init_cache(4, 64), ds.seq[:, :int(n_all.max()) + 2])
+  _, h0, fresh = jax.jit(lambda x: model.prefill(model.init_cache(4, 64), x))(
+      ds.seq[:, :int(n_all.max()) + 2])
   for row, n in enumerate(n_all):
     np.testing.assert_allclose(np.asarray(ds.hidden[row, :n + 1]), np.asarray(h0[row, :n + 1]),
                                atol=2e-5)
@@ -121,7 +122,6 @@ def test_mismatched_mode_and_temperature_is_a_clear_error():
 @pytest.fixture(scope="module")
 def partly_trained():
   """The tiny model after 80 steps on noisy cyclic sequences: drafts partly right."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.losses import lm  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import optimizer, trainer  # pylint: disable=g-import-not-at-top
@@ -176,3 +176,20 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
       online, expected, attempted)
   # The position-weighted training metric is close to the online rate, not equal.
   assert (np.abs(online - np.asarray(tf["alpha"])) < 0.2).all()
+
+
+def test_weights_sliced_inside_the_loop_give_the_same_generation():
+  """decode_preslice_weights=False (the pod presets: no second copy of the weights) slices
+  the stacked layers inside every step instead of once before the loop: same numbers."""
+  graphdef, _ = policy_lib.init(model_config.preset("tiny", decode_preslice_weights=False))
+  tokens, lengths = _prompts()
+  common = dict(max_new_tokens=16, cache_length=64, params=sampling.SamplingParams(1.0),
+                stop_tokens=STOP)
+  assert nnx.merge(graphdef, STATE).config.decode_preslice_weights is False
+  assert nnx.merge(GRAPHDEF, STATE).config.decode_preslice_weights is True
+  # The speculative loop runs every decoding entry point: prefill, step and mtp_step.
+  a, b = [speculative.generate(gd, STATE, tokens, lengths, jax.random.key(4), mode="rejection",
+                               **common) for gd in (GRAPHDEF, graphdef)]
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
+

@@ -61,7 +61,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
   check_lengths(p, max_new_tokens, cache_length)
   model = nnx.merge(graphdef, state)
   cache = model.init_cache(b, cache_length)
-  w = model.decode_weights()  # once, outside the loop (see Policy.decode_weights)
+  w = model.loop_weights()  # once, outside the loop (see Policy.decode_weights)
   logits, _, cache = model.prefill(cache, prompt_tokens, mtp=False, weights=w)
   rows = jnp.arange(b)
   stop = jnp.asarray(stop_tokens, jnp.int32)

@@ -155,7 +155,7 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
 
 
 def _decode(model, w, s: DecodeState, *, params, mode, stop) -> DecodeState:
-  """Runs the draft-verify-commit loop until every row is done (w: model.decode_weights())."""
+  """Runs the draft-verify-commit loop until every row is done (w: model.loop_weights())."""
   b = s.seq.shape[0]
   buf_len = s.seq.shape[1]
   k = s.out.attempted.shape[1]
@@ -317,7 +317,7 @@ def _first_turn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arr
   model = nnx.merge(graphdef, state)
   k = _num_drafts(model, num_draft_steps)
   stop = jnp.asarray(stop_tokens, jnp.int32)
-  w = model.decode_weights()
+  w = model.loop_weights()
   s = _start(model, w, prompt_tokens, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
              cache_length=cache_length, params=params, stop=stop,
              max_turn_tokens=max_turn_tokens)
@@ -340,7 +340,7 @@ def continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: 
   _check_mode(mode, params)
   model = nnx.merge(graphdef, state)
   stop = jnp.asarray(stop_tokens, jnp.int32)
-  w = model.decode_weights()
+  w = model.loop_weights()
   s = _append(model, w, decode_state, reply_tokens, reply_lengths, params=params, stop=stop,
               max_turn_tokens=max_turn_tokens)
   return _decode(model, w, s, params=params, mode=mode, stop=stop)

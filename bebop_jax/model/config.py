@@ -31,6 +31,10 @@ class ModelConfig:
     norm_eps: RMSNorm epsilon.
     dtype: compute dtype ("float32" or "bfloat16").
     param_dtype: parameter dtype.
+    decode_preslice_weights: decoding loops slice the stacked layer weights per block once,
+      before the loop (Policy.decode_weights): fastest where a slice is a copy (CPU, GPU), at
+      the price of a second copy of the weights. False slices inside every step instead: no
+      extra memory, and on TPU the slice fuses into the matmul.
   """
   vocab_size: int = 128
   d_model: int = 64
@@ -48,6 +52,7 @@ class ModelConfig:
   norm_eps: float = 1e-6
   dtype: str = "float32"
   param_dtype: str = "float32"
+  decode_preslice_weights: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -107,7 +112,8 @@ def param_count(c: ModelConfig) -> dict[str, int]:
 
 
 # Presets. "tiny" is for tests (seconds), "small" the CPU quickstart (~1M parameters),
-# the pod-scale ones mirror Qwen3-1.7B / Qwen3-8B shapes with one MTP module.
+# the pod-scale ones mirror Qwen3-1.7B / Qwen3-8B shapes with one MTP module (their decoding
+# does not keep a second, pre-sliced copy of the weights).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                  mlp_dim=64, num_mtp_modules=2, num_draft_steps=3),
@@ -122,11 +128,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3_1p7b": dict(vocab_size=151_936, d_model=2048, num_layers=28, num_heads=16,
                        num_kv_heads=8, head_dim=128, mlp_dim=6144, rope_theta=1_000_000.0,
                        tie_embeddings=True, num_mtp_modules=1, num_draft_steps=3,
-                       dtype="bfloat16", param_dtype="bfloat16"),
+                       dtype="bfloat16", param_dtype="bfloat16",
+                       decode_preslice_weights=False),
     "qwen3_8b": dict(vocab_size=151_936, d_model=4096, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, mlp_dim=12_288, rope_theta=1_000_000.0,
                      tie_embeddings=False, num_mtp_modules=1, num_draft_steps=3,
-                     dtype="bfloat16", param_dtype="bfloat16"),
+                     dtype="bfloat16", param_dtype="bfloat16", decode_preslice_weights=False),
 }
 
 

@@ -192,6 +192,11 @@ class Policy(nnx.Module):
       vs.append(v)
     return x, KVCache(k=tuple(ks), v=tuple(vs))
 
+  def loop_weights(self) -> dict[str, Any] | None:
+    """What a decoding loop passes as `weights=`: `decode_weights()` taken once before the
+    loop, or None (slice inside every step) when config.decode_preslice_weights is False."""
+    return self.decode_weights() if self.config.decode_preslice_weights else None
+
   def _mtp_module(self, module: int) -> dict[str, jax.Array]:
     """MTP module `module`'s parameters in the compute dtype: its input norms and projection
     ("hidden_norm", "embed_norm", "proj") and its block's (the other names)."""
@@ -220,8 +225,9 @@ class Policy(nnx.Module):
     modules, cast to the compute dtype, and the shared embedding, final norm and head.
 
     `step`, `mtp_step` and `prefill` take them as `weights=`; a decoding loop computes them
-    once, before its `while_loop`. Taken inside the loop body, every slice (and the tied
-    head's transpose) is a copy of the weights at every step: XLA does not hoist them.
+    once, before its `while_loop` (`loop_weights`). Taken inside the loop body, every slice
+    (and the tied head's transpose) is a copy of the weights at every step on CPU and GPU:
+    XLA does not hoist them.
     """
     dt = self.config.compute_dtype
     stacked = self.layers.arrays(dt)
