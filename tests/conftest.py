@@ -22,3 +22,13 @@ def tiny_data_config(tmp_path_factory):
   config.data.num_train = 96
   config.data.num_test = 16
   return config.data
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_after_each_module():
+  """The whole suite runs in one process: drop each module's compiled executables when it
+  ends, so generated-code memory maps do not pile up towards vm.max_map_count (see
+  bebop_jax.decoding.benchmark.release_compiled)."""
+  yield
+  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  benchmark.release_compiled()

@@ -1,5 +1,7 @@
 """Speculative generation with MTP drafts on the tiny model."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,3 +195,19 @@ def test_weights_sliced_inside_the_loop_give_the_same_generation():
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
   np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
 
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_release_compiled_unmaps_the_generated_code():
+  """Each compiled loop maps hundreds of code regions; a long job must be able to drop them
+  (vm.max_map_count is 65530), which benchmark.release_compiled does."""
+  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  count = lambda: sum(1 for _ in open("/proc/self/maps"))
+  benchmark.release_compiled()
+  before = count()
+  tokens, lengths = _prompts(b=2)
+  jax.block_until_ready(_spec(tokens, lengths, mode="rejection", temperature=1.0, max_new=4))
+  compiled = count()
+  benchmark.release_compiled()
+  assert compiled - before > 100, (before, compiled)
+  assert count() - before < 0.2 * (compiled - before), (before, compiled, count())
