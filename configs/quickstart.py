@@ -4,8 +4,8 @@
 
 On two CPU cores: SFT of the ~1M-parameter `small_deep` policy on the three synthetic tasks
 (7.5 to 14.5 minutes, depending on the machine), MTP training with the end-to-end TV loss on
-the frozen policy's own rollouts (2 to 3.5 minutes), then speculative decoding against
-autoregressive decoding and the report (1.5 to 2 minutes). Writes <workdir>/report.md, summary.json and plots/. Each stage is skipped
+the frozen policy's own rollouts (2 to 4 minutes), then speculative decoding against
+autoregressive decoding and the report (1.5 to 3.5 minutes). Writes <workdir>/report.md, summary.json and plots/. Each stage is skipped
 when complete and resumed from its last checkpoint when interrupted: rerun the same command.
 """
 

@@ -1,12 +1,15 @@
 """Shared fixtures. Eight simulated CPU devices are set up before JAX starts, so sharded
-tests can build meshes; everything else runs on the first device as usual."""
+tests can build meshes; everything else runs on the first device as usual. The suite's time
+is mostly XLA compilation of tiny models, so LLVM optimizes the generated code at level 0
+(the same programs; the machine code is less tuned, so results may differ in rounding)."""
 
 from __future__ import annotations
 
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+                           " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
