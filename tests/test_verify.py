@@ -147,3 +147,55 @@ def test_public_verify_is_the_package_function():
       jax.random.key(0), jnp.zeros((2, 3), jnp.int32), jnp.full((2, 3, 4), 0.25),
       jnp.full((2, 4, 4), 0.25), "rejection")
   assert n.shape == (2,) and nxt.shape == (2,) and (np.asarray(n) == 3).all()
+
+
+def _one_row_inputs(v=V, k=2, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.dirichlet([1.0] * v, size=(1, k)), jnp.float32)
+  p = jnp.asarray(rng.dirichlet([1.0] * v, size=(1, k + 1)), jnp.float32)
+  return jnp.argmax(q, -1).astype(jnp.int32), q, p
+
+
+@pytest.mark.parametrize("mode", SAMPLING_MODES)
+def test_verify_takes_legacy_and_typed_keys_single_or_per_row(mode):
+  drafts, q, p = _one_row_inputs()
+  drafts, q, p = (jnp.concatenate([x, x]) for x in (drafts, q, p))  # two identical rows
+  typed = jax.random.key(3)
+  legacy = jax.random.PRNGKey(3)
+  one = verify_lib.verify(typed, drafts, q, p, mode)
+  np.testing.assert_array_equal(np.asarray(verify_lib.verify(legacy, drafts, q, p, mode)[0]),
+                                np.asarray(one[0]))
+  np.testing.assert_array_equal(np.asarray(verify_lib.verify(legacy, drafts, q, p, mode)[1]),
+                                np.asarray(one[1]))
+  rows_typed = jax.random.split(typed, 2)
+  rows_legacy = jax.random.key_data(rows_typed)  # the same keys as raw uint32 [2, 2]
+  a = verify_lib.verify(rows_typed, drafts, q, p, mode)
+  b = verify_lib.verify(rows_legacy, drafts, q, p, mode)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError, match="one key or 2"):
+    verify_lib.verify(jax.random.split(typed, 3), drafts, q, p, mode)
+
+
+def test_greedy_draft_scores_the_given_drafts():
+  """The caller's drafts are scored, not argmax(q) recomputed: with q tied between tokens 0
+  and 1 and the draft 1, a target that puts all mass on 1 accepts every draft."""
+  k = 2
+  q = jnp.zeros((1, k, V)).at[:, :, :2].set(0.5)
+  p = jnp.zeros((1, k + 1, V)).at[:, :, 1].set(1.0)
+  drafts = jnp.ones((1, k), jnp.int32)
+  for seed in range(20):
+    n, nxt = verify_lib.verify(jax.random.key(seed), drafts, q, p, "greedy_draft")
+    assert int(n[0]) == k and int(nxt[0]) == 1
+
+
+@pytest.mark.parametrize("mode", SAMPLING_MODES)
+def test_a_token_of_target_probability_zero_is_never_emitted(mode):
+  """A draft with q(d) = 0 and p(d) = 0 is rejected; nothing emitted has p = 0."""
+  k = 2
+  q = jnp.zeros((1, k, V)).at[:, :, 3].set(1.0)   # q puts no mass on token 0 ...
+  p = jnp.zeros((1, k + 1, V)).at[:, :, 4:].set(0.5)  # ... nor does p (only 4 and 5)
+  drafts = jnp.zeros((1, k), jnp.int32)           # ... yet the draft is token 0
+  for seed in range(50):
+    n, nxt = verify_lib.verify(jax.random.key(seed), drafts, q, p, mode)
+    assert int(n[0]) == 0 and int(nxt[0]) in (4, 5), (seed, int(n[0]), int(nxt[0]))

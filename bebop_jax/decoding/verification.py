@@ -42,7 +42,10 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
   p = jnp.take_along_axis(target_probs[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
   if mode == "rejection":
     q = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-    return jnp.where(q > 0, jnp.minimum(1.0, p / jnp.maximum(q, _TINY)), 1.0)
+    # A token of target probability 0 is never accepted, whatever q says (q(d) = 0 means d
+    # was not drawn from q; accept it only if the target allows it).
+    return jnp.where(p > 0, jnp.where(q > 0, jnp.minimum(1.0, p / jnp.maximum(q, _TINY)), 1.0),
+                     0.0)
   if mode in ("greedy_draft", "strict"):
     return p
   if mode == "exact":
@@ -68,12 +71,26 @@ def residual_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs
   raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
 
 
+def _row_keys(rng: jax.Array, b: int) -> jax.Array:
+  """B typed keys from one key or B keys, typed or legacy uint32."""
+  if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32))
+  if rng.ndim == 0:
+    return jax.random.split(rng, b)
+  if rng.shape != (b,):
+    raise ValueError(f"rng holds keys of shape {rng.shape}; want one key or {b} (one per row)")
+  return rng
+
+
 def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
            target_probs: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
   """(num_accepted [B], next_token [B]); see the module docstring.
 
   `rng` is one key, or B keys (one per row: then a row's result depends on its own key and
-  inputs only, whatever the rest of the batch holds).
+  inputs only, whatever the rest of the batch holds), typed (`jax.random.key`) or legacy
+  uint32 (`jax.random.PRNGKey`, shape [2] or [B, 2]). In `greedy_draft` mode the given
+  draft tokens are the ones scored (the caller drafts argmax q); a token of target
+  probability 0 is never emitted.
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
@@ -84,10 +101,8 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
                      f"{target_probs.shape} (want [B, K+1, V])")
   draft_probs = draft_probs.astype(jnp.float32)
   target_probs = target_probs.astype(jnp.float32)
-  if mode == "greedy_draft":
-    draft_tokens = jnp.argmax(draft_probs, axis=-1).astype(jnp.int32)
   draft_tokens = draft_tokens.astype(jnp.int32)
-  keys = jax.random.split(rng, b) if rng.ndim == 0 else rng
+  keys = _row_keys(rng, b)
   # All of a row's randomness in one PRNG call: K acceptance uniforms, then the Gumbel noise
   # of the next-token sample (minval tiny keeps the logs finite).
   v = target_probs.shape[-1]
