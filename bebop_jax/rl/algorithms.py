@@ -1,0 +1,161 @@
+"""GRPO-family algorithms as pure jnp functions: group advantages and the clipped policy loss.
+
+Rollouts of one prompt sit in consecutive rows (groups of `group_size`). Shapes: rewards and
+advantages [B]; per-token arrays [B, T]; `mask` [B, T] (bool or 0/1) marks the tokens the
+policy sampled (prompt, environment replies and padding are 0).
+
+Advantages (`ADVANTAGE_MODES`):
+  grpo     (r - mean_g) / (std_g + 1e-6), population std over the group
+  drgrpo   r - mean_g                                  (Dr. GRPO: no std normalisation)
+  rloo     r - mean of the other G - 1 rewards of the group (leave-one-out baseline)
+
+Policy loss per token, with rho = exp(logprobs - anchor):
+  l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) [* w] [+ kl_coef k3]
+  anchor = proximal_logprobs when given (decoupled PPO), else behaviour_logprobs;
+  w = stop_gradient(exp(proximal - behaviour)), capped at is_cap when set, only with
+  proximal_logprobs (AReaL's off-policy correction for stale rollouts);
+  k3 = exp(ref - lp) - (ref - lp) - 1, the KL estimator to a frozen reference, when given.
+Aggregations (`AGGREGATIONS`) over the masked tokens:
+  token-mean               sum / number of masked tokens
+  seq-mean-token-mean      mean over rows of each row's token mean
+  seq-mean-token-sum-norm  sum / (B T) (Dr. GRPO's constant normaliser)
+A row with no masked token (a group dropped by dynamic sampling, padding) is absent: it
+counts in no denominator (B is the number of rows with tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ADVANTAGE_MODES = ("grpo", "drgrpo", "rloo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+GRPO_EPS = 1e-6
+
+
+def _groups(rewards: jax.Array, group_size: int) -> jax.Array:
+  rewards = jnp.asarray(rewards, jnp.float32)
+  if rewards.ndim != 1 or rewards.shape[0] % group_size:
+    raise ValueError(f"rewards of shape {rewards.shape} do not split into groups of "
+                     f"group_size={group_size} consecutive rows")
+  return rewards.reshape(-1, group_size)
+
+
+def advantages(rewards: jax.Array, group_size: int, mode: str = "grpo") -> jax.Array:
+  """[B] advantages of rewards [B] (groups of `group_size` consecutive rows); see the module
+  docstring for the modes."""
+  if mode not in ADVANTAGE_MODES:
+    raise ValueError(f"mode={mode!r} is not allowed: one of {ADVANTAGE_MODES}")
+  if not isinstance(group_size, int) or group_size < 2:
+    raise ValueError(f"group_size={group_size!r} is not allowed: group-relative advantages "
+                     "need group_size >= 2 (with 1 every advantage is 0)")
+  r = _groups(rewards, group_size)
+  mean = jnp.mean(r, axis=1, keepdims=True)
+  if mode == "grpo":
+    adv = (r - mean) / (jnp.std(r, axis=1, keepdims=True) + GRPO_EPS)
+  elif mode == "drgrpo":
+    adv = r - mean
+  else:  # rloo
+    adv = r - (jnp.sum(r, axis=1, keepdims=True) - r) / (group_size - 1)
+  return adv.reshape(-1)
+
+
+def dynamic_sampling_mask(rewards: jax.Array, group_size: int) -> jax.Array:
+  """[B] bool: False on every row of a group whose rewards are all equal (DAPO's dynamic
+  sampling: such a group has zero advantage and carries no learning signal)."""
+  r = _groups(rewards, group_size)
+  keep = jnp.max(r, axis=1) > jnp.min(r, axis=1)
+  return jnp.repeat(keep, group_size)
+
+
+def aggregation_weights(mask: jax.Array, aggregation: str) -> jax.Array:
+  """[B, T] float32 weights w such that the aggregated loss is sum(w * token_loss)."""
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"aggregation={aggregation!r} is not allowed: one of {AGGREGATIONS}")
+  m = jnp.asarray(mask).astype(jnp.float32)
+  per_row = jnp.sum(m, axis=1, keepdims=True)
+  rows = jnp.maximum(jnp.sum(per_row > 0), 1.0)
+  if aggregation == "token-mean":
+    return m / jnp.maximum(jnp.sum(m), 1.0)
+  if aggregation == "seq-mean-token-mean":
+    return m / jnp.maximum(per_row, 1.0) / rows
+  return m / (rows * m.shape[1])
+
+
+def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
+  """Per-token k3 estimator exp(ref - lp) - (ref - lp) - 1 of KL(pi || ref) for tokens
+  sampled from pi (log-probs `logprobs`); >= 0, unbiased, low variance."""
+  d = ref_logprobs - logprobs
+  return jnp.exp(d) - d - 1.0
+
+
+def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: jax.Array,
+                mask: jax.Array, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                aggregation: str = "token-mean", proximal_logprobs: jax.Array | None = None,
+                is_cap: float | None = None, ref_logprobs: jax.Array | None = None,
+                kl_coef: float = 0.0, token_weights: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, Any]]:
+  """(loss, metrics) of the clipped policy-gradient objective; see the module docstring.
+
+  Args:
+    logprobs: [B, T] log-probs of the sampled tokens under the parameters being trained.
+    behaviour_logprobs: [B, T] the same under the policy that sampled them.
+    advantages: [B] per-row advantages.
+    mask: [B, T] bool or 0/1, the tokens that count.
+    token_weights: optional [B, T] aggregation weights replacing `aggregation` (the learner
+      computes them over a whole batch, so gradient accumulation over microbatches sums to
+      the full-batch loss).
+  Returns:
+    loss (scalar) and metrics: clip_frac_low / clip_frac_high (fraction of tokens whose
+    clipped branch is active: rho < 1 - clip_low with A < 0, rho > 1 + clip_high with
+    A > 0), ratio_mean, kl (k3 to the reference; 0 without one), kl_behaviour (k3 of the
+    behaviour policy against the current one), logprob_diff_mean / logprob_diff_max
+    (|logprobs - behaviour_logprobs|), and with proximal_logprobs is_weight_mean,
+    is_weight_max (before the cap) and is_capped_frac.
+  """
+  if not 0 <= clip_low < 1:
+    raise ValueError(f"clip_low={clip_low} is not allowed: must be in [0, 1)")
+  if clip_high < 0:
+    raise ValueError(f"clip_high={clip_high} is not allowed: must be >= 0")
+  if is_cap is not None and is_cap <= 0:
+    raise ValueError(f"is_cap={is_cap} is not allowed: must be > 0 (None = no cap)")
+  m = jnp.asarray(mask).astype(jnp.float32)
+  sg = jax.lax.stop_gradient
+  behaviour = jnp.asarray(behaviour_logprobs, jnp.float32)
+  anchor = behaviour if proximal_logprobs is None else sg(proximal_logprobs)
+  adv = jnp.asarray(advantages, jnp.float32)[:, None]
+  ratio = jnp.exp(logprobs - anchor)
+  unclipped = ratio * adv
+  clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+  token_loss = -jnp.minimum(unclipped, clipped)
+  metrics = {}
+  count = jnp.maximum(jnp.sum(m), 1.0)
+  mean = lambda x: jnp.sum(x * m) / count
+  if proximal_logprobs is not None:
+    weight = sg(jnp.exp(proximal_logprobs - behaviour))
+    metrics["is_weight_mean"] = mean(weight)
+    metrics["is_weight_max"] = jnp.max(jnp.where(m > 0, weight, -jnp.inf))
+    if is_cap is not None:
+      metrics["is_capped_frac"] = mean((weight > is_cap).astype(jnp.float32))
+      weight = jnp.minimum(weight, is_cap)
+    token_loss = token_loss * weight
+  kl = jnp.zeros(())
+  if ref_logprobs is not None:
+    k3 = k3_kl(logprobs, sg(ref_logprobs))
+    kl = mean(sg(k3))
+    if kl_coef:
+      token_loss = token_loss + kl_coef * k3
+  weights = aggregation_weights(m, aggregation) if token_weights is None else token_weights
+  loss = jnp.sum(token_loss * weights * m)
+  lp = sg(logprobs)
+  diff = jnp.abs(lp - behaviour)
+  r = sg(ratio)
+  metrics.update(
+      clip_frac_low=mean(((r < 1.0 - clip_low) & (adv < 0)).astype(jnp.float32)),
+      clip_frac_high=mean(((r > 1.0 + clip_high) & (adv > 0)).astype(jnp.float32)),
+      ratio_mean=mean(r), kl=kl, kl_behaviour=mean(k3_kl(behaviour, lp)),
+      logprob_diff_mean=mean(diff),
+      logprob_diff_max=jnp.max(jnp.where(m > 0, diff, 0.0)))
+  return loss, metrics
