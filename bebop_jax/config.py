@@ -19,7 +19,7 @@ from bebop_jax import tasks as tasks_lib
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.model import config as model_config
 
-STAGES = ("data", "sft", "mtp", "eval")  # stages of bebop_jax.main, run in this order
+STAGES = ("data", "sft", "mtp", "rl", "eval")  # stages of bebop_jax.main, run in this order
 
 
 class ConfigError(ValueError):
@@ -71,10 +71,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.seq_len = 256
   c.data.batch_size = 32
   c.data.packing = True
-  # RL prompt batches.
-  c.data.prompts_per_batch = 8
-  c.data.group_size = 4
-  c.data.max_prompt_len = 128
 
   # The policy (bebop_jax.model.config.ModelConfig fields); presets in model_config.PRESETS.
   c.model = ml_collections.ConfigDict(dataclasses.asdict(model_config.preset("tiny")))
@@ -112,6 +108,46 @@ def base_config() -> ml_collections.ConfigDict:
   c.mtp.data.batch_size = 64       # rollout batch
   c.mtp.optim = optim_defaults(learning_rate=2e-3, warmup_steps=20, trainable="mtp")
   c.mtp.train = loop_defaults(num_steps=300, log_every=25, checkpoint_every=100)
+
+  # RL stage (bebop_jax.rl.stage): GRPO on speculative rollouts of the policy from the MTP
+  # stage (or the SFT stage when there is none).
+  c.rl = ml_collections.ConfigDict()
+  c.rl.init_from = ""              # workdir holding the sft (and mtp) stages; "" = this one
+  c.rl.prompts_per_batch = 8       # prompts per RL step ...
+  c.rl.group_size = 4              # ... each sampled this many times (consecutive rows)
+  c.rl.max_prompt_len = 128        # longer training prompts are an error
+  c.rl.advantage = "grpo"          # bebop_jax.rl.ADVANTAGE_MODES
+  c.rl.dynamic_sampling = False    # drop groups whose rewards are all equal (DAPO)
+  c.rl.clip_low = 0.2
+  c.rl.clip_high = 0.2
+  c.rl.aggregation = "token-mean"  # bebop_jax.rl.AGGREGATIONS
+  c.rl.kl_coef = 0.0               # > 0: k3 KL to the frozen initial policy
+  c.rl.epochs = 1                  # passes of learner updates over each batch ...
+  c.rl.minibatches = 1             # ... each pass split into this many updates
+  c.rl.rollout = ml_collections.ConfigDict(dict(
+      engine="speculative",        # or "autoregressive" (bebop_jax.rollout.ENGINES)
+      mode="rejection",            # speculative verification (bebop_jax.rollout.VERIFICATION_MODES)
+      temperature=1.0, top_k=0, top_p=1.0,
+      num_draft_steps=0,           # K drafts per verification; 0 = the model's
+      max_new_tokens=160,          # completion budget (policy turns and replies)
+      batch_size=32))              # rows per decoding call
+  c.rl.acceptance_modes = ("rejection", "greedy_draft")  # teacher-forced on each batch
+  c.rl.optim = optim_defaults(learning_rate=3e-4, warmup_steps=0, decay="constant",
+                              weight_decay=0.0, trainable="main")
+  c.rl.train = loop_defaults(num_steps=50, log_every=1, eval_every=0, checkpoint_every=10)
+  # The drafter during RL: "frozen" (the paper's recipe), "online" (an MTP-only update on
+  # each batch's rollouts) or "periodic" (every `every` steps, on the rollouts since).
+  c.rl.mtp = ml_collections.ConfigDict()
+  c.rl.mtp.strategy = "frozen"
+  c.rl.mtp.loss = "e2e_tv"         # bebop_jax.losses.mtp.LOSSES
+  c.rl.mtp.every = 5               # periodic: steps between updates
+  c.rl.mtp.optim = optim_defaults(learning_rate=1e-3, warmup_steps=0, decay="constant",
+                                  trainable="mtp")
+  # Held-out evaluation before, every rl.train.eval_every steps and after: pass@1 per task
+  # and acceptance per depth, speculative at the rollout temperature, in each mode.
+  c.rl.eval = ml_collections.ConfigDict()
+  c.rl.eval.num_examples = 64      # per task
+  c.rl.eval.modes = ("rejection", "greedy_draft")
 
   # Evaluation stage (bebop_jax.report): decode speed and acceptance against entropy.
   c.report = ml_collections.ConfigDict()
@@ -173,8 +209,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("stages", config.stages, f"must be a non-empty tuple of distinct stages from {STAGES}")
 
   d = config.data
-  for key in ("data.num_train", "data.num_test", "data.seq_len", "data.batch_size",
-              "data.prompts_per_batch", "data.group_size", "data.max_prompt_len"):
+  for key in ("data.num_train", "data.num_test", "data.seq_len", "data.batch_size"):
     _positive_int(config, key)
   if not isinstance(d.data_dir, str) or not d.data_dir:
     _fail("data.data_dir", d.data_dir, "must be a non-empty path")
@@ -221,6 +256,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not isinstance(config.sft.mtp_loss_weight, (int, float)) or config.sft.mtp_loss_weight < 0:
     _fail("sft.mtp_loss_weight", config.sft.mtp_loss_weight, "must be a number >= 0")
   _validate_mtp(config)
+  _validate_rl(config, data_parallel)
   r = config.report
   if not r.batch_sizes or any(not isinstance(b, int) or b < 1 for b in r.batch_sizes):
     _fail("report.batch_sizes", r.batch_sizes, "must be a non-empty tuple of positive ints")
@@ -281,21 +317,104 @@ def _validate_mtp(config: ml_collections.ConfigDict) -> None:
   _validate_training(config, "mtp", batch_key="mtp.batch_size")
 
 
-def _validate_training(config: ml_collections.ConfigDict, stage: str,
-                       batch_key: str = "data.batch_size") -> None:
-  """The optim and train sections of one training stage."""
+def _validate_rl(config: ml_collections.ConfigDict, data_parallel: int) -> None:
+  """The rl section."""
+  from bebop_jax import rl  # pylint: disable=g-import-not-at-top
+  from bebop_jax import rollout  # pylint: disable=g-import-not-at-top
+  from bebop_jax.losses import mtp as mtp_losses  # pylint: disable=g-import-not-at-top
+  c = config.rl
+  if not isinstance(c.init_from, str):
+    _fail("rl.init_from", c.init_from, "must be a path ('' = this workdir)")
+  for key in ("prompts_per_batch", "group_size", "max_prompt_len", "epochs", "minibatches"):
+    _positive_int(config, f"rl.{key}")
+  if c.advantage not in rl.ADVANTAGE_MODES:
+    _fail("rl.advantage", c.advantage, f"one of {rl.ADVANTAGE_MODES}")
+  if c.group_size < 2:
+    _fail("rl.group_size", c.group_size,
+          f"must be >= 2 with rl.advantage={c.advantage!r}: group-relative advantages of "
+          "one rollout per prompt are all 0")
+  if c.aggregation not in rl.AGGREGATIONS:
+    _fail("rl.aggregation", c.aggregation, f"one of {rl.AGGREGATIONS}")
+  if not isinstance(c.clip_low, (int, float)) or not 0 <= c.clip_low < 1:
+    _fail("rl.clip_low", c.clip_low, "must be a number in [0, 1)")
+  if not isinstance(c.clip_high, (int, float)) or c.clip_high < 0:
+    _fail("rl.clip_high", c.clip_high, "must be a number >= 0")
+  if not isinstance(c.kl_coef, (int, float)) or c.kl_coef < 0:
+    _fail("rl.kl_coef", c.kl_coef, "must be a number >= 0 (0 = no KL term)")
+  if not isinstance(c.dynamic_sampling, bool):
+    _fail("rl.dynamic_sampling", c.dynamic_sampling, "must be True or False")
+  r = c.rollout
+  if r.engine not in rollout.ENGINES:
+    _fail("rl.rollout.engine", r.engine, f"one of {rollout.ENGINES}")
+  if r.mode not in rollout.VERIFICATION_MODES:
+    _fail("rl.rollout.mode", r.mode, f"one of {rollout.VERIFICATION_MODES}")
+  if not isinstance(r.temperature, (int, float)) or r.temperature <= 0:
+    _fail("rl.rollout.temperature", r.temperature,
+          "must be a number > 0 (RL samples; greedy rollouts have no policy gradient)")
+  if not isinstance(r.top_k, int) or r.top_k < 0:
+    _fail("rl.rollout.top_k", r.top_k, "must be an int >= 0 (0 = off)")
+  if not 0 < r.top_p <= 1:
+    _fail("rl.rollout.top_p", r.top_p, "must be in (0, 1]")
+  k = config.model.num_draft_steps
+  if not isinstance(r.num_draft_steps, int) or not 0 <= r.num_draft_steps <= k:
+    _fail("rl.rollout.num_draft_steps", r.num_draft_steps,
+          f"an int in [0, {k}] (model.num_draft_steps; 0 = all of them)")
+  for key in ("max_new_tokens", "batch_size"):
+    _positive_int(config, f"rl.rollout.{key}")
+  modes = tuple(c.acceptance_modes)
+  if any(m not in rollout.VERIFICATION_MODES for m in modes):
+    _fail("rl.acceptance_modes", c.acceptance_modes,
+          f"a tuple from {rollout.VERIFICATION_MODES} (() = none)")
+  modes = tuple(c.eval.modes)
+  if not modes or any(m not in rollout.VERIFICATION_MODES for m in modes):
+    _fail("rl.eval.modes", c.eval.modes, f"a non-empty tuple from {rollout.VERIFICATION_MODES}")
+  _positive_int(config, "rl.eval.num_examples")
+  rows = c.prompts_per_batch * c.group_size
+  if rows % c.minibatches:
+    _fail("rl.minibatches", c.minibatches,
+          f"must divide the batch of rl.prompts_per_batch x rl.group_size = {rows} rollouts")
+  update_rows = rows // c.minibatches
+  if update_rows % (data_parallel * c.train.grad_accum_steps):
+    _fail("rl.minibatches", c.minibatches,
+          f"each update's {update_rows} rollouts must split over the data-parallel size "
+          f"{data_parallel} x rl.train.grad_accum_steps={c.train.grad_accum_steps}")
+  if rows % data_parallel:
+    _fail("rl.prompts_per_batch", c.prompts_per_batch,
+          f"the {rows} rollouts of a step must split over the data-parallel size "
+          f"{data_parallel}")
+  m = c.mtp
+  if m.strategy not in ("frozen", "online", "periodic"):
+    _fail("rl.mtp.strategy", m.strategy, "one of ('frozen', 'online', 'periodic')")
+  if m.loss not in mtp_losses.LOSSES:
+    _fail("rl.mtp.loss", m.loss, f"one of {mtp_losses.LOSSES}")
+  _positive_int(config, "rl.mtp.every")
+  _validate_optim(config, "rl.mtp.optim", config.rl.mtp.optim)
+  if m.optim.trainable != "mtp":
+    _fail("rl.mtp.optim.trainable", m.optim.trainable, "must be 'mtp' (MTP-only updates)")
+  _validate_training(config, "rl", batch_key=None)
+  if c.optim.trainable != "main":
+    _fail("rl.optim.trainable", c.optim.trainable,
+          "must be 'main' (the policy update trains the trunk; the drafter is rl.mtp's)")
+
+
+def _validate_optim(config, key: str, o) -> None:
   from bebop_jax.train import optimizer  # pylint: disable=g-import-not-at-top
-  o = config[stage].optim
   if not isinstance(o.learning_rate, (int, float)) or o.learning_rate <= 0:
-    _fail(f"{stage}.optim.learning_rate", o.learning_rate, "must be a number > 0")
+    _fail(f"{key}.learning_rate", o.learning_rate, "must be a number > 0")
   if o.decay not in optimizer.DECAYS:
-    _fail(f"{stage}.optim.decay", o.decay, f"one of {optimizer.DECAYS}")
+    _fail(f"{key}.decay", o.decay, f"one of {optimizer.DECAYS}")
   if o.trainable not in optimizer.TRAINABLE:
-    _fail(f"{stage}.optim.trainable", o.trainable, f"one of {optimizer.TRAINABLE}")
+    _fail(f"{key}.trainable", o.trainable, f"one of {optimizer.TRAINABLE}")
   if not 0 <= o.end_lr_fraction <= 1:
-    _fail(f"{stage}.optim.end_lr_fraction", o.end_lr_fraction, "must be in [0, 1]")
+    _fail(f"{key}.end_lr_fraction", o.end_lr_fraction, "must be in [0, 1]")
   if not isinstance(o.warmup_steps, int) or o.warmup_steps < 0:
-    _fail(f"{stage}.optim.warmup_steps", o.warmup_steps, "must be an int >= 0")
+    _fail(f"{key}.warmup_steps", o.warmup_steps, "must be an int >= 0")
+
+
+def _validate_training(config: ml_collections.ConfigDict, stage: str,
+                       batch_key: str | None = "data.batch_size") -> None:
+  """The optim and train sections of one training stage (batch_key None: no batch check)."""
+  _validate_optim(config, f"{stage}.optim", config[stage].optim)
   for key in ("num_steps", "grad_accum_steps", "log_every", "checkpoint_every",
               "keep_checkpoints"):
     _positive_int(config, f"{stage}.train.{key}")
@@ -304,7 +423,7 @@ def _validate_training(config: ml_collections.ConfigDict, stage: str,
     _fail(f"{stage}.train.stop_at_step", t.stop_at_step, "must be an int >= 0 (0 = off)")
   if not isinstance(t.eval_every, int) or t.eval_every < 0:
     _fail(f"{stage}.train.eval_every", t.eval_every, "must be an int >= 0 (0 = at the end)")
-  if _get(config, batch_key) % t.grad_accum_steps:
+  if batch_key is not None and _get(config, batch_key) % t.grad_accum_steps:
     _fail(f"{stage}.train.grad_accum_steps", t.grad_accum_steps,
           f"must divide {batch_key}={_get(config, batch_key)}")
 

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from bebop_jax import evaluation
-from bebop_jax.decoding import benchmark, diagnostics, sampling
+from bebop_jax.decoding import batching, benchmark, diagnostics, sampling
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import mtp, sft
 
@@ -48,9 +47,9 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
 
 
 def entropy_points(graphdef, params, sequences, *, temperatures, mode: str, batch_size=64,
-                   buckets=evaluation.PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray]:
+                   buckets=batching.PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray]:
   """(entropy, depth-1 acceptance) per counted position, pooled over temperatures."""
-  longest = evaluation.bucket(max(len(t) for t, _ in sequences), buckets)
+  longest = batching.bucket(max(len(t) for t, _ in sequences), buckets)
   ents, alphas = [], []
   for t in temperatures:
     params_s = sampling.SamplingParams(temperature=t)

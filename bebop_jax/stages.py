@@ -42,9 +42,10 @@ def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
   targets = float(batch["loss_mask"].mean())
   print(f"\nSFT batch: tokens {batch['tokens'].shape}, {fill:.1%} of positions filled, "
         f"{targets:.1%} are loss targets")
+  r = config.rl
   rl = next(iter(pipeline.rl_prompt_dataset(
-      d, prompts_per_batch=d.prompts_per_batch, group_size=d.group_size,
-      max_prompt_len=d.max_prompt_len, seed=config.seed)))
+      d, prompts_per_batch=r.prompts_per_batch, group_size=r.group_size,
+      max_prompt_len=r.max_prompt_len, seed=config.seed)))
   print(f"RL prompt batch: prompt_tokens {rl['prompt_tokens'].shape}, "
         f"group_ids {rl['group_ids'].tolist()}")
   report["sft_batch"] = {"shape": list(batch["tokens"].shape), "fill": fill,
@@ -65,6 +66,12 @@ def mtp_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
   mtp.run(config, workdir)
 
 
+def rl_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """GRPO with speculative rollouts (bebop_jax.rl.stage)."""
+  from bebop_jax.rl import stage  # pylint: disable=g-import-not-at-top
+  stage.run(config, workdir)
+
+
 def eval_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Decode speed, acceptance against entropy, summary.json, plots and report.md."""
   from bebop_jax import report  # pylint: disable=g-import-not-at-top
@@ -75,6 +82,7 @@ STAGE_FNS: dict[str, Callable[[ml_collections.ConfigDict, str], None]] = {
     "data": data_stage,
     "sft": sft_stage,
     "mtp": mtp_stage,
+    "rl": rl_stage,
     "eval": eval_stage,
 }
 assert tuple(STAGE_FNS) == config_lib.STAGES

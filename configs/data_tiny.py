@@ -11,7 +11,7 @@ def get_config(arg: str | None = None):
   config.data.num_test = 16
   config.data.batch_size = 8
   config.data.seq_len = 256
-  config.data.prompts_per_batch = 2
-  config.data.group_size = 3
+  config.rl.prompts_per_batch = 2
+  config.rl.group_size = 4  # 8 rollouts: splits over 8 simulated devices
   config.preview.examples_per_task = 1
   return config

@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from bebop_jax.decoding import autoregressive, multi_turn, sampling, speculative
@@ -28,9 +29,10 @@ def _prompts(b=3, p=12, seed=0):
 def test_caches_after_a_reply_equal_a_fresh_prefill_of_the_whole_context():
   tokens, lengths = _prompts()
   params = sampling.SamplingParams(1.0)
-  common = dict(params=params, mode="rejection", stop_tokens=STOP)
+  common = dict(params=params, mode="rejection")
   ds = speculative.start(GRAPHDEF, STATE, tokens, lengths, jax.random.key(0),
-                         max_new_tokens=40, cache_length=64, max_turn_tokens=7, **common)
+                         max_new_tokens=40, cache_length=64, max_turn_tokens=7,
+                         stop_tokens=STOP, **common)
   before = jax.tree.map(jnp.copy, ds)
   reply = jnp.asarray([[50, 51, 52, 53, 54], [60, 61, 0, 0, 0], [0, 0, 0, 0, 0]], jnp.int32)
   reply_lengths = jnp.asarray([5, 2, 0], jnp.int32)
@@ -93,7 +95,7 @@ class _EchoEnv:
 
 
 def multi_turn_result(observation, done, reward):
-  from bebop_jax.tasks.agentic import StepResult  # pylint: disable=g-import-not-at-top
+  from bebop_jax.tasks.base import StepResult  # pylint: disable=g-import-not-at-top
   return StepResult(observation, done, reward, 0)
 
 
@@ -123,7 +125,8 @@ def _reprefill_greedy(prompt, env, max_new_tokens, max_turn_tokens, stop):
     mask += [False] * len(reply)
 
 
-def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill():
+@pytest.mark.parametrize("engine", ["speculative", "autoregressive"])
+def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(engine):
   from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
   tok = get_tokenizer()
   prompts = [tok.encode(s, add_bos=True) for s in ("what is 3+4?", "get age of bob", "x")]
@@ -131,10 +134,14 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill():
   stop = (tok.eos_id, tok.call_end_id)
   kw = dict(max_new_tokens=48, max_turn_tokens=6)
   envs = [_EchoEnv(r, turns=2 + i) for i, r in enumerate(replies)]
-  stats = multi_turn.RolloutStats(np.zeros(K), np.zeros(K))
-  episodes = multi_turn.speculative_episodes(
-      GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
-      params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop, stats=stats, **kw)
+  if engine == "speculative":
+    episodes = multi_turn.speculative_episodes(
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
+        params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop, **kw)
+  else:
+    episodes = multi_turn.autoregressive_episodes(
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
+        params=sampling.SamplingParams(0.0), stop_tokens=stop, prompt_buckets=(64,), **kw)
   for i, ep in enumerate(episodes):
     env = _EchoEnv(replies[i], turns=2 + i)
     tokens, mask, reward = _reprefill_greedy(prompts[i], env, stop=stop, **kw)
@@ -144,8 +151,14 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill():
     assert envs[i].seen == env.seen
     assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.policy_mask) if not m)
   assert sum(ep.turns for ep in episodes) >= 7  # replies were appended, several per row
+  if engine == "autoregressive":
+    assert all(ep.target_forwards == sum(ep.policy_mask) - ep.turns for ep in episodes)
+    return
   # The random model's drafts are mostly wrong: rejections happened around the replies.
-  assert stats.accepted[0] < stats.attempted[0] and stats.target_forwards > 0
+  attempted = sum(ep.attempted for ep in episodes)
+  accepted = sum(ep.accepted for ep in episodes)
+  assert accepted[0] < attempted[0]
+  assert all(ep.target_forwards == ep.attempted[0] > 0 for ep in episodes)
 
 
 def test_episodes_compile_once_per_bucket():
@@ -168,3 +181,33 @@ def test_episodes_compile_once_per_bucket():
   run(2)
   assert (speculative.start._cache_size(),  # pylint: disable=protected-access
           speculative.continue_with_reply._cache_size()) == sizes  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("engine", ["speculative", "autoregressive"])
+def test_row_stops_choose_each_rows_stop_tokens(engine):
+  """Row 0 stops at token 7 and token 9; row 1 only at token 9 (an eos-only single-turn row
+  in a batch with agentic rows). Whatever the sampler draws, a row's turn ends exactly at its
+  first own stop token and never at another row's."""
+  tokens, lengths = _prompts(b=2)
+  stop = (7, 9)
+  row_stops = np.array([[True, True], [False, True]])
+  params = sampling.SamplingParams(3.0)  # near uniform over the vocabulary: stops happen
+  kw = dict(max_new_tokens=200, params=params, stop_tokens=stop, row_stops=row_stops)
+  hits = 0
+  for seed in range(4):
+    if engine == "speculative":
+      out = speculative.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(seed),
+                                 cache_length=12 + 200 + K + 1, mode="rejection", **kw)
+    else:
+      out = autoregressive.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(seed),
+                                    cache_length=12 + 200, **kw)
+    toks, n = np.asarray(out.tokens), np.asarray(out.lengths)
+    for row, own in enumerate(([7, 9], [9])):
+      emitted = toks[row, :n[row]].tolist()
+      first = next((i for i, t in enumerate(emitted) if t in own), None)
+      if first is None:
+        assert n[row] == 200
+      else:
+        assert n[row] == first + 1
+      hits += row == 1 and 7 in emitted  # row 1 ran past a token 7
+  assert hits > 0

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bebop_jax.decoding import sampling
+from bebop_jax.decoding import batching, sampling
 
 
 @flax.struct.dataclass
@@ -52,10 +52,13 @@ def check_lengths(prompt_len: int, max_new_tokens: int, cache_length: int, extra
 def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
              prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
              cache_length: int, params: sampling.SamplingParams,
-             stop_tokens: Sequence[int]) -> GenerateOutput:
+             stop_tokens: Sequence[int], row_stops: jax.Array | None = None,
+             row_limits: jax.Array | None = None) -> GenerateOutput:
   """Samples up to `max_new_tokens` per row after right-padded prompts [B, P].
 
-  A row stops after emitting any of `stop_tokens`. Compiled once per (B, P) and settings.
+  A row stops after emitting any of `stop_tokens` (those of `row_stops` [B, S] bool, when
+  given; see batching.stop_table) or after `row_limits[b]` tokens (default max_new_tokens;
+  at least one token is sampled). Compiled once per (B, P) and settings.
   """
   b, p = prompt_tokens.shape
   check_lengths(p, max_new_tokens, cache_length)
@@ -64,7 +67,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
   w = model.loop_weights()  # once, outside the loop (see Policy.decode_weights)
   logits, _, cache = model.prefill(cache, prompt_tokens, mtp=False, weights=w)
   rows = jnp.arange(b)
-  stop = jnp.asarray(stop_tokens, jnp.int32)
+  stop = batching.stop_table(stop_tokens, row_stops, b)
+  limit = (jnp.full((b,), max_new_tokens, jnp.int32) if row_limits is None
+           else jnp.minimum(jnp.asarray(row_limits, jnp.int32), max_new_tokens))
   zeros = lambda dt: jnp.zeros((b, max_new_tokens), dt)
 
   def emit(s: _LoopState, logits: jax.Array) -> _LoopState:
@@ -79,7 +84,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
         lengths=o.lengths + active,
         logprobs=o.logprobs.at[:, s.step].set(jnp.where(active, logp[rows, tok], 0.0)),
         entropy=o.entropy.at[:, s.step].set(jnp.where(active, sampling.entropy(logits), 0.0)))
-    done = s.done | jnp.isin(tok, stop) | (s.step + 1 >= max_new_tokens)
+    done = s.done | batching.hits_stop(tok, stop) | (s.step + 1 >= limit)
     return s.replace(step=s.step + 1, rng=rng, token=tok, done=done, out=out)
 
   init = _LoopState(

@@ -21,7 +21,7 @@ import numpy as np
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import get_tokenizer, pipeline
 from bebop_jax.decoding import autoregressive, diagnostics, sampling, speculative
-from bebop_jax.evaluation import bucket
+from bebop_jax.decoding.batching import pad_rows
 
 
 def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -37,15 +37,8 @@ def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) ->
   total = -(-max(batch, num_prompts) // batch) * batch
   ids = [tok.encode(examples[order[i % len(order)]].prompt, add_bos=True)
          for i in range(total)]
-  batches = []
-  for start in range(0, total, batch):
-    rows = ids[start:start + batch]
-    p = bucket(max(len(x) for x in rows), prompt_buckets or tuple(config.eval.prompt_buckets))
-    tokens = np.zeros((batch, p), np.int32)
-    for i, x in enumerate(rows):
-      tokens[i, :len(x)] = x
-    batches.append((tokens, np.array([len(x) for x in rows], np.int32)))
-  return batches
+  buckets = prompt_buckets or tuple(config.eval.prompt_buckets)
+  return [pad_rows(ids[start:start + batch], batch, buckets) for start in range(0, total, batch)]
 
 
 def best_times(fns: dict, batches, repeats: int) -> dict:

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bebop_jax.decoding import sampling
+from bebop_jax.decoding import batching, sampling
 from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.decoding.autoregressive import check_lengths
 
@@ -79,6 +79,7 @@ class DecodeState:
   hidden: jax.Array     # [B, L, E] main hidden states h0 by position
   frontier: jax.Array   # [B] n
   limit: jax.Array      # [B] output length at which the current turn stops
+  stop: jax.Array       # [B, S] the row's stop tokens (-1: off; batching.stop_table)
   done: jax.Array       # [B]
   out: SpeculativeOutput
 
@@ -106,7 +107,7 @@ def _turn_limit(lengths: jax.Array, max_new_tokens: int, max_turn_tokens: int | 
 
 
 def _emit_sampled(s: DecodeState, logits: jax.Array, key: jax.Array, active: jax.Array,
-                  params: sampling.SamplingParams, stop: jax.Array) -> DecodeState:
+                  params: sampling.SamplingParams) -> DecodeState:
   """Samples x_{n+1} from p_n (`logits` [B, V]) for the active rows and appends it."""
   b = logits.shape[0]
   rows = jnp.arange(b)
@@ -122,12 +123,12 @@ def _emit_sampled(s: DecodeState, logits: jax.Array, key: jax.Array, active: jax
       entropy=o.entropy.at[rows, slot].set(sampling.entropy(logits), mode="drop"),
       lengths=o.lengths + active)
   seq = s.seq.at[rows, jnp.where(active, s.frontier + 1, s.seq.shape[1])].set(tok, mode="drop")
-  done = jnp.where(active, jnp.isin(tok, stop) | (out.lengths >= s.limit), s.done)
+  done = jnp.where(active, batching.hits_stop(tok, s.stop) | (out.lengths >= s.limit), s.done)
   return s.replace(seq=seq, out=out, done=done)
 
 
 def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, cache_length,
-           params, stop, max_turn_tokens) -> DecodeState:
+           params, stop_tokens, row_stops, max_turn_tokens) -> DecodeState:
   b, p = prompt_tokens.shape
   check_lengths(p, max_new_tokens, cache_length, extra=k + 1)
   buf_len = cache_length + 2 * k + 2  # room for drafts and windows past the cache end
@@ -141,7 +142,7 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
       seq=jnp.zeros((b, buf_len), jnp.int32).at[:, :p].set(prompt_tokens),
       hidden=jnp.zeros((b, buf_len, h0.shape[-1]), h0.dtype).at[:, :p].set(h0),
       frontier=prompt_lengths - 1, limit=_turn_limit(lengths, max_new_tokens, max_turn_tokens),
-      done=jnp.zeros((b,), bool),
+      stop=batching.stop_table(stop_tokens, row_stops, b), done=jnp.zeros((b,), bool),
       out=SpeculativeOutput(
           tokens=zeros(jnp.int32), lengths=lengths, policy_mask=zeros(bool),
           logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
@@ -151,10 +152,10 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
   # x_{n+1} from p_n: the first generated token. Keys are per row (row independence).
   rng, key = sampling.split_rows(s.rng, 2)
   s = s.replace(rng=rng)
-  return _emit_sampled(s, logits[rows, s.frontier], key, jnp.ones((b,), bool), params, stop)
+  return _emit_sampled(s, logits[rows, s.frontier], key, jnp.ones((b,), bool), params)
 
 
-def _decode(model, w, s: DecodeState, *, params, mode, stop) -> DecodeState:
+def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
   """Runs the draft-verify-commit loop until every row is done (w: model.loop_weights())."""
   b = s.seq.shape[0]
   buf_len = s.seq.shape[1]
@@ -212,7 +213,7 @@ def _decode(model, w, s: DecodeState, *, params, mode, stop) -> DecodeState:
                         jnp.concatenate([drafts, drafts[:, :1]], axis=1), nxt[:, None])
     count = num_acc + 1
     o = s.out
-    is_stop = jnp.isin(emitted, stop) & (idx < count[:, None])
+    is_stop = batching.hits_stop(emitted, s.stop) & (idx < count[:, None])
     first_stop = jnp.argmax(is_stop, axis=1)
     count = jnp.where(jnp.any(is_stop, axis=1), first_stop + 1, count)
     count = jnp.minimum(count, s.limit - o.lengths)
@@ -254,7 +255,7 @@ def _decode(model, w, s: DecodeState, *, params, mode, stop) -> DecodeState:
   return s.replace(out=s.out.replace(policy_mask=s.out.policy_mask | emitted))
 
 
-def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params, stop,
+def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params,
             max_turn_tokens) -> DecodeState:
   """Appends reply_tokens[b, :reply_lengths[b]] after row b's last token where
   reply_lengths[b] > 0 (other rows stay as they are) and samples the token after it."""
@@ -289,7 +290,7 @@ def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params, st
   # 2. The next policy token from p at the reply's last position.
   rng, key = sampling.split_rows(s.rng, 2)
   s = _emit_sampled(s.replace(rng=rng), logits[rows, jnp.where(active, reply_lengths, 0)],
-                    key, active, params, stop)
+                    key, active, params)
   # 3. Every depth rewrites positions from the old window's start to the new frontier.
   width = k + r + 2
   w_start = jnp.where(active, jnp.maximum(n - k, 0), cache_length)
@@ -302,29 +303,30 @@ def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params, st
   return s.replace(cache=cache)
 
 
-_STATIC = ("graphdef", "params", "mode", "stop_tokens", "max_turn_tokens")
+_STATIC = ("graphdef", "params", "mode", "max_turn_tokens")
 
 
 def _first_turn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                 prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
                 cache_length: int, params: sampling.SamplingParams, mode: str,
-                stop_tokens: Sequence[int], num_draft_steps: int | None = None,
+                stop_tokens: Sequence[int], row_stops: jax.Array | None = None,
+                num_draft_steps: int | None = None,
                 max_turn_tokens: int | None = None) -> DecodeState:
-  """Prefills right-padded prompts [B, P] and decodes the first turn: until a stop token,
-  `max_turn_tokens` or `max_new_tokens` (the whole completion's budget). Compiled once per
-  (B, P) and settings."""
+  """Prefills right-padded prompts [B, P] and decodes the first turn: until a stop token
+  (those of `row_stops` [B, S] bool when given, see batching.stop_table), `max_turn_tokens`
+  or `max_new_tokens` (the whole completion's budget). Compiled once per (B, P) and
+  settings."""
   _check_mode(mode, params)
   model = nnx.merge(graphdef, state)
   k = _num_drafts(model, num_draft_steps)
-  stop = jnp.asarray(stop_tokens, jnp.int32)
   w = model.loop_weights()
   s = _start(model, w, prompt_tokens, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
-             cache_length=cache_length, params=params, stop=stop,
-             max_turn_tokens=max_turn_tokens)
-  return _decode(model, w, s, params=params, mode=mode, stop=stop)
+             cache_length=cache_length, params=params, stop_tokens=stop_tokens,
+             row_stops=row_stops, max_turn_tokens=max_turn_tokens)
+  return _decode(model, w, s, params=params, mode=mode)
 
 
-_FIRST_STATIC = _STATIC + ("max_new_tokens", "cache_length", "num_draft_steps")
+_FIRST_STATIC = _STATIC + ("max_new_tokens", "cache_length", "num_draft_steps", "stop_tokens")
 start = jax.jit(_first_turn, static_argnames=_FIRST_STATIC)
 
 
@@ -332,29 +334,30 @@ start = jax.jit(_first_turn, static_argnames=_FIRST_STATIC)
 def continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
                         reply_tokens: jax.Array, reply_lengths: jax.Array, *,
                         params: sampling.SamplingParams, mode: str,
-                        stop_tokens: Sequence[int], max_turn_tokens: int | None = None
-                        ) -> DecodeState:
+                        max_turn_tokens: int | None = None) -> DecodeState:
   """Appends right-padded replies [B, R] (rows with reply_lengths 0 are finished and left
   alone; a reply that would fill the completion budget is not appended and its row stays
-  done) and decodes the next turn. Donates `decode_state`."""
+  done) and decodes the next turn, with the stop tokens `start` was given. Donates
+  `decode_state`."""
   _check_mode(mode, params)
   model = nnx.merge(graphdef, state)
-  stop = jnp.asarray(stop_tokens, jnp.int32)
   w = model.loop_weights()
-  s = _append(model, w, decode_state, reply_tokens, reply_lengths, params=params, stop=stop,
+  s = _append(model, w, decode_state, reply_tokens, reply_lengths, params=params,
               max_turn_tokens=max_turn_tokens)
-  return _decode(model, w, s, params=params, mode=mode, stop=stop)
+  return _decode(model, w, s, params=params, mode=mode)
 
 
 @functools.partial(jax.jit, static_argnames=_FIRST_STATIC)
 def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
              prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
              cache_length: int, params: sampling.SamplingParams, mode: str,
-             stop_tokens: Sequence[int], num_draft_steps: int | None = None,
+             stop_tokens: Sequence[int], row_stops: jax.Array | None = None,
+             num_draft_steps: int | None = None,
              max_turn_tokens: int | None = None) -> SpeculativeOutput:
   """Samples up to `max_new_tokens` per row after right-padded prompts [B, P] with K drafts
   per target forward (single turn). Compiled once per (B, P) and settings."""
   return _first_turn(
       graphdef, state, prompt_tokens, prompt_lengths, rng, max_new_tokens=max_new_tokens,
       cache_length=cache_length, params=params, mode=mode, stop_tokens=stop_tokens,
-      num_draft_steps=num_draft_steps, max_turn_tokens=max_turn_tokens).out
+      row_stops=row_stops, num_draft_steps=num_draft_steps,
+      max_turn_tokens=max_turn_tokens).out

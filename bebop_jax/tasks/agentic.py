@@ -32,7 +32,7 @@ import dataclasses
 import random
 from typing import Any, Callable, Sequence
 
-from bebop_jax.tasks.base import (ANSWER_MARKER, CALL_END, CALL_START, RESULT_END,
+from bebop_jax.tasks.base import (ANSWER_MARKER, StepResult, CALL_END, CALL_START, RESULT_END,
                                   RESULT_START, Example, Task, clip_completion,
                                   extract_final_answer)
 
@@ -292,22 +292,6 @@ def format_result(text: str) -> str:
 
 # --------------------------------------------------------------------------------------
 # Environment.
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-  """Outcome of one policy turn.
-
-  Attributes:
-    observation: text to append to the context (RESULT_START ... RESULT_END); '' when done.
-    done: whether the episode is over.
-    reward: the final reward when done, else 0.0.
-    turn: number of policy turns consumed so far (this one included).
-  """
-  observation: str
-  done: bool
-  reward: float
-  turn: int
 
 
 class ToolEnvironment:

@@ -105,10 +105,44 @@ def parse_int(text: str | None, max_digits: int = 18) -> int | None:
   return int(text)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """Outcome of one policy turn in an environment.
+
+  Attributes:
+    observation: text to append to the context (RESULT_START ... RESULT_END); '' when done.
+    done: whether the episode is over.
+    reward: the final reward when done, else 0.0.
+    turn: number of policy turns consumed so far (this one included).
+  """
+  observation: str
+  done: bool
+  reward: float
+  turn: int
+
+
+class OneTurnEnvironment:
+  """A single-turn task as an environment: the first turn ends the episode with its reward
+  (the rollout engine runs every task through this one protocol)."""
+
+  def __init__(self, task: "Task", example: Example):
+    self.task, self.example = task, example
+
+  def step(self, policy_text: Any) -> StepResult:
+    """Never raises: rewards are total functions of the text."""
+    return StepResult("", True, float(self.task.reward(self.example, policy_text)), 1)
+
+
 class Task(abc.ABC):
-  """A seeded generator of examples with a verifiable reward."""
+  """A seeded generator of examples with a verifiable reward.
+
+  Every task is also an environment factory: `environment(example)` returns an object with
+  `step(policy_text) -> StepResult`. Single-turn tasks end at the first turn; multi-turn
+  tasks override `environment`, `multi_turn` and `max_turns`.
+  """
 
   name: str
+  max_turns = 1  # most policy turns an episode can take (multi-turn tasks set their own)
 
   @abc.abstractmethod
   def sample(self, seed: int) -> Example:
@@ -121,3 +155,7 @@ class Task(abc.ABC):
   @property
   def multi_turn(self) -> bool:
     return False
+
+  def environment(self, example: Example):
+    """A fresh environment for one episode of `example`."""
+    return OneTurnEnvironment(self, example)

@@ -36,15 +36,15 @@ import numpy as np
 from flax import nnx
 
 from bebop_jax import evaluation
+from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data.tokenizer import get_tokenizer
-from bebop_jax.decoding import diagnostics, multi_turn, sampling
+from bebop_jax.decoding import batching, diagnostics, sampling
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
-from bebop_jax.tasks.agentic import StepResult
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
@@ -72,42 +72,16 @@ def sft_workdir(config: ml_collections.ConfigDict, workdir: str) -> str:
 # ----------------------------------------------------------------------------- rollouts
 
 
-class _OneTurnEnvironment:
-  """A single-turn task as an environment: the first turn ends the episode with its reward."""
-
-  def __init__(self, task: tasks_lib.Task, example: tasks_lib.Example):
-    self.task, self.example = task, example
-
-  def step(self, text: str) -> StepResult:
-    return StepResult("", True, float(self.task.reward(self.example, text)), 1)
-
-
-def _environment(task: tasks_lib.Task, example: tasks_lib.Example):
-  return task.environment(example) if task.multi_turn else _OneTurnEnvironment(task, example)
-
-
 def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
                     examples: dict[str, Sequence[tasks_lib.Example]],
-                    task_objs: dict[str, tasks_lib.Task], rng: jax.Array, *,
-                    temperature: float, max_new_tokens: int, batch_size: int, mode: str,
-                    prompt_buckets: Sequence[int] = evaluation.PROMPT_BUCKETS,
-                    stats: multi_turn.RolloutStats | None = None
-                    ) -> dict[str, list[tuple[list[int], multi_turn.Episode]]]:
-  """{task: [(prompt ids, episode)]}: one speculative rollout per example."""
-  tok = get_tokenizer()
-  params_s = sampling.SamplingParams(temperature=temperature)
+                    task_objs: dict[str, tasks_lib.Task], rng: jax.Array,
+                    settings: rollout.RolloutSettings) -> dict[str, rollout.Rollouts]:
+  """{task: one rollout per example} from the rollout engine."""
+  engine = rollout.JaxEngine(graphdef, params, task_objs, settings)
   out = {}
   for name, exs in examples.items():
-    task = task_objs[name]
-    prompts = [tok.encode(ex.prompt, add_bos=True) for ex in exs]
     rng, key = jax.random.split(rng)
-    eps = multi_turn.speculative_episodes(
-        graphdef, params, prompts, [_environment(task, ex) for ex in exs], key,
-        batch_size=batch_size, max_new_tokens=max_new_tokens, params=params_s, mode=mode,
-        stop_tokens=(tok.eos_id, tok.call_end_id) if task.multi_turn else (tok.eos_id,),
-        max_turns=getattr(task, "max_turns", 1), prompt_buckets=prompt_buckets,
-        stats=stats)
-    out[name] = list(zip(prompts, eps))
+    out[name] = engine.generate(exs, key)
   return out
 
 
@@ -139,17 +113,6 @@ def pack_rows(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int
       out["positions"][r, at:at + n] = np.arange(n)
       at += n
   return out
-
-
-def rollout_sequences(rollouts) -> list[tuple[np.ndarray, np.ndarray]]:
-  """(tokens, loss_mask) per rollout: prompt + completion; targets are the policy's tokens."""
-  seqs = []
-  for pairs in rollouts.values():
-    for prompt, ep in pairs:
-      tokens = np.asarray(list(prompt) + ep.tokens, np.int32)
-      mask = np.asarray([0] * len(prompt) + [int(m) for m in ep.policy_mask], np.int32)
-      seqs.append((tokens, mask))
-  return seqs
 
 
 def _data_key(config: ml_collections.ConfigDict, split: str, num: int) -> str:
@@ -191,13 +154,12 @@ def self_distillation_data(config: ml_collections.ConfigDict, graphdef, params, 
   rollouts = sample_rollouts(
       graphdef, params, _examples(config, split, per_task), task_objs,
       jax.random.key(config.seed + (17 if split == "train" else 29)),
-      temperature=m.temperature, max_new_tokens=m.data.max_new_tokens,
-      batch_size=m.data.batch_size, mode="rejection",
-      prompt_buckets=tuple(config.eval.prompt_buckets))
-  seqs = rollout_sequences(rollouts)
+      evaluation.settings(config, temperature=m.temperature, top_k=0, top_p=1.0,
+                          max_new_tokens=m.data.max_new_tokens, batch_size=m.data.batch_size))
+  seqs = [seq for r in rollouts.values() for seq in r.sequences()]
   meta = {"seconds": time.perf_counter() - start,
-          "reward": {n: float(np.mean([ep.reward for _, ep in r])) for n, r in rollouts.items()},
-          "policy_tokens": int(sum(int(mask.sum()) for _, mask in seqs))}
+          "reward": {n: float(r.rewards.mean()) for n, r in rollouts.items()},
+          "policy_tokens": int(sum(r.policy_tokens() for r in rollouts.values()))}
   longest = max(len(t) for t, _ in seqs)
   tokens = np.zeros((len(seqs), longest), np.int32)
   masks = np.zeros_like(tokens)
@@ -236,12 +198,12 @@ def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int) -> gr
 
 def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float,
                               modes: Sequence[str], batch_size: int = 64,
-                              buckets: Sequence[int] = evaluation.PROMPT_BUCKETS
+                              buckets: Sequence[int] = batching.PROMPT_BUCKETS
                               ) -> dict[str, dict[str, list[float]]]:
   """Per mode: per-depth acceptance over the policy tokens of held-out rollouts, plain
   ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha")."""
   params_s = sampling.SamplingParams(temperature=temperature)
-  longest = evaluation.bucket(max(len(t) for t, _ in sequences), buckets)
+  longest = batching.bucket(max(len(t) for t, _ in sequences), buckets)
   results = {}
   for mode in modes:
     sums = {"alpha": 0.0, "alpha_unweighted": 0.0}
@@ -264,34 +226,23 @@ def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examp
   """Speculative decoding on held-out prompts at mtp.temperature, per mode: per-depth
   acceptance, tokens per target forward (per row: 1 + accepted drafts per verification),
   pass@1, overall and per task, and seconds."""
-  t = config.mtp.temperature
   results = {}
   for mode in modes:
     start = time.perf_counter()
-    total = None
-    per_task = {}
-    for name, exs in examples.items():
-      sampler = evaluation.SpeculativeSampler(
-          graphdef, params, config.eval.batch_size, sampling.SamplingParams(temperature=t),
-          mode=mode, prompt_buckets=tuple(config.eval.prompt_buckets))
-      acc = evaluation.evaluate_tasks({t: sampler}, {name: exs}, task_objs,
-                                      seed=config.seed,
-                                      max_new_tokens=config.eval.max_new_tokens)
-      st = sampler.stats
-      per_task[name] = {**_acceptance(st.attempted, st.accepted),
-                        "accuracy": acc[f"{name}/t{t:g}"]}
-      total = st if total is None else multi_turn.RolloutStats(
-          total.attempted + st.attempted, total.accepted + st.accepted)
-    results[mode] = {**_acceptance(total.attempted, total.accepted),
-                     "accuracy": {n: r["accuracy"] for n, r in per_task.items()},
-                     "per_task": per_task, "seconds": time.perf_counter() - start}
+    engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+        config, temperature=config.mtp.temperature, top_k=0, top_p=1.0, mode=mode))
+    by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed)
+    accuracy = evaluation.pass_at_1(by_task)
+    per_task = {n: {**_acceptance(r), "accuracy": accuracy[n]} for n, r in by_task.items()}
+    results[mode] = {**_acceptance(rollout.Rollouts.concatenate(list(by_task.values()))),
+                     "accuracy": accuracy, "per_task": per_task,
+                     "seconds": time.perf_counter() - start}
   return results
 
 
-def _acceptance(attempted: np.ndarray, accepted: np.ndarray) -> dict[str, Any]:
-  return {"acceptance": (accepted / np.maximum(attempted, 1)).tolist(),
-          "tokens_per_target_forward": float(
-              (attempted[0] + accepted.sum()) / max(attempted[0], 1))}
+def _acceptance(r: rollout.Rollouts) -> dict[str, Any]:
+  return {"acceptance": r.acceptance().tolist(),
+          "tokens_per_target_forward": r.tokens_per_target_forward()}
 
 
 def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task_objs

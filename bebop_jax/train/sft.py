@@ -24,10 +24,10 @@ from absl import logging
 from flax import nnx
 
 from bebop_jax import evaluation
+from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.decoding import sampling
 from bebop_jax.losses import lm
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
@@ -58,14 +58,10 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
 
   def eval_fn(state: trainer.TrainState) -> dict[str, float]:
     params = nnx.merge_state(state.trainable, state.frozen)
-    fns = {t: evaluation.autoregressive_generate_fn(
-        graphdef, params, e.batch_size,
-        sampling.SamplingParams(temperature=t, top_k=e.top_k, top_p=e.top_p),
-        prompt_buckets=tuple(e.prompt_buckets))
-           for t in e.temperatures}
+    engines = {t: rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+        config, engine="autoregressive", temperature=t)) for t in e.temperatures}
     start = time.perf_counter()
-    results = evaluation.evaluate_tasks(fns, examples, task_objs, seed=config.seed,
-                                        max_new_tokens=e.max_new_tokens)
+    results = evaluation.evaluate_tasks(engines, examples, seed=config.seed)
     results["pass_at_1_mean"] = sum(results.values()) / max(len(results), 1)
     results["eval_s"] = time.perf_counter() - start
     logging.info("eval: %s", results)

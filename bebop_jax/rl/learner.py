@@ -1,0 +1,291 @@
+"""The RL learner: rollouts into fixed-shape learner batches, log-probs of sampled tokens,
+and the policy-loss function the shared jitted train step (train/trainer.py) optimises.
+
+Learner batch (every array batch-major, [B, L] with L = max_prompt_len + max_new_tokens, so
+every step has one shape and the step compiles once):
+  tokens              int32  bos + prompt + completion (policy turns and replies), 0 after
+  segment_ids         int32  1 on the sequence, 0 on padding
+  mask                int32  1 where the policy sampled the token (the loss mask; 0 on the
+                             prompt, environment replies, padding and dropped rows)
+  behaviour_logprobs  f32    the sampler's log-probs of those tokens (0 elsewhere)
+  advantages          f32    [B]
+  token_weights       f32    aggregation weights (rl.aggregation_weights over the update's
+                             rows, times the accumulation steps)
+  ref_logprobs        f32    reference policy log-probs, only with a KL term
+Position t holds token t; its log-prob comes from the logits at t - 1.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bebop_jax.decoding import sampling
+from bebop_jax.losses import mtp as mtp_losses
+from bebop_jax.rl import algorithms
+from bebop_jax.rollout import Rollouts
+from bebop_jax.train import optimizer as optimizer_lib
+from bebop_jax.train import trainer
+
+
+def learner_batch(rollouts: Rollouts, advantages: np.ndarray, seq_len: int,
+                  keep: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """The learner batch of `rollouts` (module docstring) without token_weights; rows where
+  `keep` is False get an all-zero mask (they take no part in the loss)."""
+  b = rollouts.num_rows
+  tokens = np.zeros((b, seq_len), np.int32)
+  segment_ids = np.zeros((b, seq_len), np.int32)
+  mask = np.zeros((b, seq_len), np.int32)
+  behaviour = np.zeros((b, seq_len), np.float32)
+  for i in range(b):
+    p, n = int(rollouts.prompt_lengths[i]), int(rollouts.lengths[i])
+    if p + n > seq_len:
+      raise ValueError(f"rollout {i} has {p} prompt + {n} completion tokens, more than the "
+                       f"learner's sequence length {seq_len} (max_prompt_len + max_new_tokens)")
+    tokens[i, :p] = rollouts.prompt_tokens[i, :p]
+    tokens[i, p:p + n] = rollouts.tokens[i, :n]
+    segment_ids[i, :p + n] = 1
+    if keep is None or keep[i]:
+      mask[i, p:p + n] = rollouts.policy_mask[i, :n]
+    behaviour[i, p:p + n] = np.where(rollouts.policy_mask[i, :n], rollouts.logprobs[i, :n], 0.0)
+  return {"tokens": tokens, "segment_ids": segment_ids, "mask": mask,
+          "behaviour_logprobs": behaviour,
+          "advantages": np.asarray(advantages, np.float32).reshape(b)}
+
+
+def with_token_weights(batch: Mapping[str, np.ndarray], aggregation: str,
+                       grad_accum_steps: int = 1) -> dict[str, np.ndarray]:
+  """`batch` plus its token_weights: the aggregation over all of its rows, scaled by the
+  accumulation steps (the train step averages microbatch gradients)."""
+  w = np.asarray(algorithms.aggregation_weights(batch["mask"], aggregation))
+  return dict(batch, token_weights=(w * grad_accum_steps).astype(np.float32))
+
+
+def token_logprobs(model, tokens: jax.Array, segment_ids: jax.Array,
+                   params: sampling.SamplingParams) -> jax.Array:
+  """[B, T] log-prob of tokens[:, t] given tokens[:, :t] under the sampling distribution
+  (temperature, top-k, top-p as in decoding); 0 at t = 0. Trunk only (no MTP chain)."""
+  out = model(tokens, segment_ids=segment_ids, num_draft_steps=0)
+  logp = sampling.sampling_logprobs(out["logits"][:, :-1], params)
+  lp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def make_logprobs_fn(graphdef: nnx.GraphDef, params: sampling.SamplingParams):
+  """jit((trainable, frozen, tokens, segment_ids) -> token log-probs [B, T])."""
+
+  @jax.jit
+  def logprobs_fn(trainable, frozen, tokens, segment_ids):
+    return token_logprobs(nnx.merge(graphdef, trainable, frozen), tokens, segment_ids, params)
+
+  return logprobs_fn
+
+
+def make_policy_loss_fn(params: sampling.SamplingParams, *, clip_low: float, clip_high: float,
+                        aggregation: str, kl_coef: float = 0.0):
+  """The RL loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step."""
+
+  def loss_fn(model, batch) -> tuple[jax.Array, dict[str, Any]]:
+    lp = token_logprobs(model, batch["tokens"], batch["segment_ids"], params)
+    loss, metrics = algorithms.policy_loss(
+        lp, batch["behaviour_logprobs"], batch["advantages"], batch["mask"],
+        clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+        ref_logprobs=batch.get("ref_logprobs"), kl_coef=kl_coef,
+        token_weights=batch["token_weights"])
+    return loss, dict(metrics, loss=loss)
+
+  return loss_fn
+
+
+def mtp_batch(batch: Mapping[str, np.ndarray], rollouts: Rollouts) -> dict[str, np.ndarray]:
+  """Self-distillation rows for an MTP update from a learner batch: tokens, positions,
+  segment ids, and loss_mask = the policy's tokens (every row, dropped or not)."""
+  seq_len = batch["tokens"].shape[1]
+  loss_mask = np.zeros_like(batch["tokens"])
+  for i in range(rollouts.num_rows):
+    p, n = int(rollouts.prompt_lengths[i]), int(rollouts.lengths[i])
+    loss_mask[i, p:p + n] = rollouts.policy_mask[i, :n]
+  positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), batch["tokens"].shape)
+  return {"tokens": batch["tokens"], "segment_ids": batch["segment_ids"],
+          "positions": np.where(batch["segment_ids"] > 0, positions, 0).astype(np.int32),
+          "loss_mask": loss_mask}
+
+
+# ----------------------------------------------------------------------------- the learner
+
+MTP_STRATEGIES = ("frozen", "online", "periodic")
+_MTP_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+
+
+class Learner:
+  """The RL learner over two parameter groups: the trunk (policy updates with the clipped
+  loss, `rl.optim`) and the MTP modules (`rl.mtp.strategy`: frozen, or MTP-only updates with
+  `rl.mtp.loss`, `rl.mtp.optim`). Both updates are the shared train step, compiled ahead of
+  time for fixed shapes on the mesh, parameters and optimizer states donated.
+
+  `rl` is the validated `config.rl` section; `params` the policy's parameters (trunk and MTP
+  modules); `seq_len` the learner batch length (max prompt + completion budget).
+  """
+
+  def __init__(self, rl: Any, graphdef: nnx.GraphDef, params: nnx.State, *, mesh, rules,
+               seq_len: int):
+    self.rl, self.seq_len = rl, seq_len
+    self.strategy = rl.mtp.strategy
+    if self.strategy not in MTP_STRATEGIES:
+      raise ValueError(f"rl.mtp.strategy={self.strategy!r} is not allowed: one of "
+                       f"{MTP_STRATEGIES}")
+    self.rows = rl.prompts_per_batch * rl.group_size
+    self.sampling = sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k,
+                                            rl.rollout.top_p)
+    model = nnx.merge(graphdef, params)
+    # One graphdef serves both groups: nnx.merge(graphdef, trunk, mtp) either way round.
+    self.graphdef, trunk, mtp = nnx.split(model, optimizer_lib.trainable_filter("main"), ...)
+    num_steps = rl.train.num_steps
+    self.tx, schedule = optimizer_lib.make_optimizer(rl.optim,
+                                                     num_steps * rl.epochs * rl.minibatches)
+    state = trainer.place_state(trainer.TrainState(trunk, mtp, self.tx.init(trunk), 0),
+                                mesh, rules, self.tx)
+    self.trunk, self.mtp = state.trainable, state.frozen
+    self.trunk_opt, self.updates = state.opt_state, state.step
+    self.ref_trunk = jax.tree.map(jnp.copy, self.trunk) if rl.kl_coef > 0 else None
+    self.mtp_opt = self.mtp_updates = self.buffer = None
+    update_rows = self.rows // rl.minibatches
+    example = with_token_weights(learner_batch(_empty_rollouts(update_rows, seq_len),
+                                               np.zeros(update_rows), seq_len),
+                                 rl.aggregation, rl.train.grad_accum_steps)
+    if self.ref_trunk is not None:
+      example["ref_logprobs"] = np.zeros((update_rows, seq_len), np.float32)
+    self.policy_step = trainer.compile_train_step(
+        trainer.make_train_step(self.graphdef, make_policy_loss_fn(
+            self.sampling, clip_low=rl.clip_low, clip_high=rl.clip_high,
+            aggregation=rl.aggregation, kl_coef=rl.kl_coef), self.tx, schedule,
+            rl.train.grad_accum_steps), state, example, mesh, rules, self.tx)
+    self.batch_sh = trainer.batch_shardings(example, mesh, rules)
+    self.ref_fn = (make_logprobs_fn(self.graphdef, self.sampling)
+                   if self.ref_trunk is not None else None)
+    self.mtp_step = None
+    if self.strategy != "frozen":
+      total = num_steps if self.strategy == "online" else num_steps // rl.mtp.every * rl.mtp.every
+      self.mtp_tx, mtp_schedule = optimizer_lib.make_optimizer(rl.mtp.optim, max(total, 1))
+      mstate = trainer.place_state(
+          trainer.TrainState(self.mtp, self.trunk, self.mtp_tx.init(self.mtp), 0), mesh,
+          rules, self.mtp_tx)
+      self.mtp_opt, self.mtp_updates = mstate.opt_state, mstate.step
+      mtp_example = {k: np.zeros((self.rows, seq_len), np.int32) for k in _MTP_KEYS}
+
+      def mtp_loss_fn(model, batch):
+        out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                    mtp_stop_gradient=True)
+        return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=rl.mtp.loss,
+                                   temperature=rl.rollout.temperature)
+
+      self.mtp_step = trainer.compile_train_step(
+          trainer.make_train_step(self.graphdef, mtp_loss_fn, self.mtp_tx, mtp_schedule),
+          mstate, mtp_example, mesh, rules, self.mtp_tx)
+      self.mtp_sh = trainer.batch_shardings(mtp_example, mesh, rules)
+      if self.strategy == "periodic":
+        self.buffer = {k: np.zeros((rl.mtp.every, self.rows, seq_len), np.int32)
+                       for k in _MTP_KEYS}
+
+  @property
+  def compile_seconds(self) -> float:
+    return self.policy_step.compile_seconds + (self.mtp_step.compile_seconds
+                                               if self.mtp_step else 0.0)
+
+  def params(self) -> nnx.State:
+    """The current parameters, trunk and MTP modules (one version)."""
+    return nnx.merge_state(self.trunk, self.mtp)
+
+  # -------------------------------------------------------------- checkpoints
+
+  def state_tree(self) -> dict[str, Any]:
+    """Everything a checkpoint needs to resume the learner exactly."""
+    t = {"trunk": self.trunk, "mtp": self.mtp, "trunk_opt": self.trunk_opt,
+         "updates": self.updates}
+    if self.mtp_opt is not None:
+      t.update(mtp_opt=self.mtp_opt, mtp_updates=self.mtp_updates)
+    if self.buffer is not None:
+      t["buffer"] = self.buffer
+    return t
+
+  def load_state_tree(self, t: Mapping[str, Any]) -> None:
+    """Restores what `state_tree` saved (arrays already placed by the checkpointer)."""
+    self.trunk, self.mtp, self.trunk_opt, self.updates = (
+        t["trunk"], t["mtp"], t["trunk_opt"], t["updates"])
+    if self.mtp_opt is not None:
+      self.mtp_opt, self.mtp_updates = t["mtp_opt"], t["mtp_updates"]
+    if self.buffer is not None:
+      self.buffer = {k: np.array(v) for k, v in t["buffer"].items()}
+
+  # -------------------------------------------------------------- one RL step
+
+  def update(self, rollouts: Rollouts, step: int) -> dict[str, float]:
+    """The policy updates (and the drafter's, per strategy) of RL step `step` (0-based) on
+    one batch of `rows` rollouts in groups; returns the step's learner metrics."""
+    rl = self.rl
+    start = time.perf_counter()
+    if rollouts.num_rows != self.rows:
+      raise ValueError(f"{rollouts.num_rows} rollouts; the learner was built for "
+                       f"rl.prompts_per_batch x rl.group_size = {self.rows}")
+    adv = np.asarray(algorithms.advantages(rollouts.rewards, rl.group_size, rl.advantage))
+    keep = (np.asarray(algorithms.dynamic_sampling_mask(rollouts.rewards, rl.group_size))
+            if rl.dynamic_sampling else None)
+    full = learner_batch(rollouts, adv, self.seq_len, keep)
+    if self.ref_fn is not None:
+      full["ref_logprobs"] = np.asarray(self.ref_fn(self.ref_trunk, self.mtp, full["tokens"],
+                                                    full["segment_ids"]))
+    size = self.rows // rl.minibatches
+    results = []
+    for _ in range(rl.epochs):
+      for mb in range(rl.minibatches):
+        part = with_token_weights({k: v[mb * size:(mb + 1) * size] for k, v in full.items()},
+                                  rl.aggregation, rl.train.grad_accum_steps)
+        part = {k: jax.device_put(v, self.batch_sh[k]) for k, v in part.items()}
+        self.trunk, self.trunk_opt, self.updates, m = self.policy_step.fn(
+            self.trunk, self.mtp, self.trunk_opt, self.updates, part)
+        results.append(m)
+    results = jax.device_get(results)
+    metrics = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+    # The first update's log-probs are under the sampling parameters: the sampler-learner
+    # difference, measured for free.
+    metrics["sampler_learner_logprob_diff_mean"] = float(results[0]["logprob_diff_mean"])
+    metrics["sampler_learner_logprob_diff_max"] = float(results[0]["logprob_diff_max"])
+    metrics["dropped_frac"] = float(1 - keep.mean()) if keep is not None else 0.0
+    metrics["learner_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    metrics.update(self._update_mtp(mtp_batch(full, rollouts), step))
+    metrics["mtp_update_s"] = time.perf_counter() - start
+    return metrics
+
+  def _update_mtp(self, fresh: dict[str, np.ndarray], step: int) -> dict[str, float]:
+    if self.strategy == "frozen":
+      return {}
+    if self.strategy == "online":
+      batches = [fresh]
+    else:
+      for k in self.buffer:
+        self.buffer[k][step % self.rl.mtp.every] = fresh[k]
+      if (step + 1) % self.rl.mtp.every:
+        return {}
+      batches = [{k: v[i] for k, v in self.buffer.items()} for i in range(self.rl.mtp.every)]
+    for b in batches:
+      b = {k: jax.device_put(v, self.mtp_sh[k]) for k, v in b.items()}
+      self.mtp, self.mtp_opt, self.mtp_updates, m = self.mtp_step.fn(
+          self.mtp, self.trunk, self.mtp_opt, self.mtp_updates, b)
+    return {f"mtp/{k}": float(v) for k, v in jax.device_get(m).items()}
+
+
+def _empty_rollouts(b: int, seq_len: int) -> Rollouts:
+  """Rollouts of a learner batch's shape, for compiling."""
+  z = lambda *shape, dt=np.int32: np.zeros(shape, dt)
+  return Rollouts(
+      task_ids=z(b), prompt_tokens=z(b, 1), prompt_lengths=np.ones(b, np.int32),
+      tokens=z(b, seq_len - 1), lengths=z(b), policy_mask=z(b, seq_len - 1, dt=bool),
+      logprobs=z(b, seq_len - 1, dt=np.float32), entropy=z(b, seq_len - 1, dt=np.float32),
+      rewards=z(b, dt=np.float32), turns=z(b), done=z(b, dt=bool), attempted=z(b, 0),
+      accepted=z(b, 0), target_forwards=z(b))

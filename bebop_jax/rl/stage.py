@@ -1,0 +1,319 @@
+"""The `rl` stage: synchronous GRPO on speculative rollouts of the policy's own MTP drafts.
+
+Each RL step:
+  1. `prompts_per_batch` training prompts, each `group_size` times (data.pipeline's RL prompt
+     stream, checkpointed), are rolled out by the rollout engine (speculative by default;
+     agentic episodes with the environment in the loop), at the rollout temperature.
+  2. Rewards -> group advantages (rl.advantage); optional dynamic sampling masks groups of
+     equal rewards out of the loss.
+  3. The learner runs `epochs` x `minibatches` policy updates on the batch: the shared jitted
+     train step (AOT-compiled, donated, sharded by the mesh rules) with the clipped policy
+     loss; the trunk is one parameter group (rl.optim), the MTP modules another.
+  4. The drafter: `frozen`, or an MTP-only update (rl.mtp.loss, targets from the current
+     policy) on this batch (`online`) or every `every` steps on the rollouts since
+     (`periodic`); MTP gradients never reach the trunk.
+  5. The engine samples the next batch with the new parameters (policy version = step).
+Metrics of every step go to metrics.jsonl and TensorBoard (stage "rl"): rewards and pass
+rates per task, lengths, entropy, online acceptance per depth, tokens per target forward,
+teacher-forced acceptance per depth in `rl.acceptance_modes` (the batch scored under the
+policy that sampled it), seconds of rollout and learner and the rollout share, clip
+fractions, KL, gradient norm, and the sampler-learner log-prob difference (behaviour
+log-probs against the learner's recomputation under the same parameters, before the update).
+Held-out evaluation (pass@1 per task with its standard error, acceptance per depth per
+`rl.eval.modes`) runs before the first step, every `rl.train.eval_every` steps and at the end.
+
+Workdir: <workdir>/rl/checkpoints (orbax: trunk, MTP modules, both optimizer states, the
+update counters, the periodic buffer, the prompt iterator), rl/evals.json (held-out
+evaluations by step), rl/summary.json when complete. A rerun resumes exactly (the rollout
+key of step s is fold_in(seed, s)) or skips a complete stage.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from bebop_jax import evaluation
+from bebop_jax import rollout
+from bebop_jax import sharding
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import pipeline
+from bebop_jax.rl import learner
+from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import metrics as metrics_lib
+from bebop_jax.train import mtp as mtp_stage
+from bebop_jax.train import sft
+
+STAGE = "rl"
+
+
+def stage_dir(workdir: str) -> str:
+  return os.path.join(workdir, STAGE)
+
+
+def read_summary(workdir: str) -> dict[str, Any] | None:
+  """The completed stage's summary, or None."""
+  return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
+
+
+def source_workdir(config: ml_collections.ConfigDict, workdir: str) -> str:
+  return (os.path.abspath(os.path.expanduser(config.rl.init_from)) if config.rl.init_from
+          else workdir)
+
+
+def load_initial_policy(config: ml_collections.ConfigDict, workdir: str
+                        ) -> tuple[nnx.GraphDef, nnx.State, str]:
+  """(graphdef, parameters, which stage) the RL stage starts from: the MTP stage's policy
+  and drafter when it completed in the source workdir, else the SFT policy."""
+  source = source_workdir(config, workdir)
+  if mtp_stage.read_summary(source) is not None:
+    graphdef, params = mtp_stage.load_policy(config, source)
+    return graphdef, params, "mtp"
+  sft_source = mtp_stage.sft_workdir(config, source)
+  if sft.read_summary(sft_source) is not None:
+    graphdef, params = sft.load_policy(config, sft_source)
+    return graphdef, params, "sft"
+  raise FileNotFoundError(f"the RL stage needs a completed SFT (and ideally MTP) stage in "
+                          f"{source} (run them first, or set rl.init_from)")
+
+
+def rollout_settings(config: ml_collections.ConfigDict, **overrides) -> rollout.RolloutSettings:
+  r = config.rl.rollout
+  kw = dict(engine=r.engine, mode=r.mode, temperature=r.temperature, top_k=r.top_k,
+            top_p=r.top_p, num_draft_steps=r.num_draft_steps or None,
+            max_new_tokens=r.max_new_tokens, batch_size=r.batch_size,
+            prompt_buckets=tuple(config.eval.prompt_buckets))
+  kw.update(overrides)
+  return rollout.RolloutSettings(**kw)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task_objs
+             ) -> dict[str, Any]:
+  """Held-out evaluation at the rollout temperature, speculative, in every rl.eval.modes.
+  Every mode samples the policy exactly, so pass@1 pools them: per prompt the mean reward
+  over modes, per task the mean over prompts and its standard error. The same key every
+  time, so evaluations along a run are paired."""
+  start = time.perf_counter()
+  per_mode, rewards = {}, {}
+  for mode in config.rl.eval.modes:
+    engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
+        config, engine="speculative", mode=mode, batch_size=config.eval.batch_size))
+    by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7)
+    both = rollout.Rollouts.concatenate(list(by_task.values()))
+    per_mode[mode] = {"acceptance": both.acceptance().tolist(),
+                      "tokens_per_target_forward": both.tokens_per_target_forward(),
+                      "entropy": both.mean_entropy(),
+                      "pass_at_1": evaluation.pass_at_1(by_task)}
+    for name, r in by_task.items():
+      rewards.setdefault(name, []).append(r.rewards)
+  per_prompt = {name: np.mean(rs, axis=0) for name, rs in rewards.items()}
+  return {"pass_at_1": {n: float(v.mean()) for n, v in per_prompt.items()},
+          "pass_at_1_se": {n: evaluation.standard_error(v) for n, v in per_prompt.items()},
+          "per_prompt_reward": {n: v.tolist() for n, v in per_prompt.items()},
+          "modes": per_mode, "seconds": time.perf_counter() - start}
+
+
+def paired_difference(before: dict, after: dict) -> dict[str, dict[str, float]]:
+  """Per task: after - before pass@1 and the standard error of that difference over the
+  same prompts (paired)."""
+  out = {}
+  for name, b in before["per_prompt_reward"].items():
+    d = np.asarray(after["per_prompt_reward"][name]) - np.asarray(b)
+    out[name] = {"delta": float(d.mean()), "se": evaluation.standard_error(d)}
+  return out
+
+
+def _teacher_forced(graphdef, params, rollouts: rollout.Rollouts, modes, temperature: float,
+                    batch_size: int, seq_len: int) -> dict[str, list[float]]:
+  """Per mode: per-depth acceptance of the batch's rollouts, weighted by the probability of
+  reaching each depth (decoding.diagnostics), under `params`."""
+  if not modes:
+    return {}
+  seqs = rollouts.sequences()
+  out = {}
+  for mode in modes:
+    res = mtp_stage.teacher_forced_acceptance(
+        graphdef, params, seqs, temperature=temperature, modes=(mode,), batch_size=batch_size,
+        buckets=(seq_len,))
+    out[mode] = res[mode]["alpha"]
+  return out
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def _batch_metrics(rollouts: rollout.Rollouts, group_size: int) -> dict[str, float]:
+  m = {"reward_mean": float(rollouts.rewards.mean()),
+       "completion_length": float(rollouts.lengths.mean()),
+       "policy_tokens": float(rollouts.policy_mask.sum(1).mean()),
+       "entropy": rollouts.mean_entropy(),
+       "tokens_per_target_forward": rollouts.tokens_per_target_forward(),
+       "target_forwards": int(rollouts.target_forwards.sum()),
+       "reward_std_within_groups": float(
+           rollouts.rewards.reshape(-1, group_size).std(axis=1).mean())}
+  for k, a in enumerate(rollouts.acceptance(), start=1):
+    m[f"acceptance_{k}"] = float(a)
+  for name in tasks_lib.TASK_NAMES:
+    rows = rollouts.rows_of_task(name)
+    if len(rows):
+      m[f"reward/{name}"] = float(rollouts.rewards[rows].mean())
+      m[f"pass_rate/{name}"] = float((rollouts.rewards[rows] >= 1.0).mean())
+  return m
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs (or resumes, or skips when complete) the RL stage; returns its summary."""
+  done = read_summary(workdir)
+  if done is not None:
+    print(f"[rl] complete in {stage_dir(workdir)} ({done['steps']} steps): skipping")
+    return done
+  c = config.rl
+  os.makedirs(stage_dir(workdir), exist_ok=True)
+  stage_start = time.perf_counter()
+  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  rules = tuple(tuple(r) for r in config.mesh.rules)
+  graphdef, params0, source = load_initial_policy(config, workdir)
+  seq_len = c.max_prompt_len + c.rollout.max_new_tokens
+  learn = learner.Learner(c, graphdef, params0, mesh=mesh, rules=rules, seq_len=seq_len)
+  print(f"[rl] updates compiled in {learn.compile_seconds:.1f}s (policy from the {source} "
+        f"stage, MTP strategy {c.mtp.strategy})")
+
+  prompts = iter(pipeline.rl_prompt_dataset(
+      config.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
+      max_prompt_len=c.max_prompt_len, seed=config.seed))
+  checkpointer = checkpoint_lib.Checkpointer(
+      os.path.join(stage_dir(workdir), "checkpoints"), keep_last=c.train.keep_checkpoints)
+  start_step = 0
+  if checkpointer.latest_step() is not None:
+    tree = dict(learn.state_tree(), rl_step=jnp.int32(0))
+    restored = checkpointer.restore(None, checkpoint_lib.abstract_like(tree),
+                                    data_iterator=prompts)
+    learn.load_state_tree(restored)
+    start_step = int(restored["rl_step"])
+    print(f"[rl] resumed from step {start_step}")
+
+  # The rollout side samples with its own copy of each version's parameters (colocated: the
+  # first device; [3/7] places it on its own sub-mesh).
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  names = [n for n in tasks_lib.TASK_NAMES if config.data.tasks[n].weight > 0]
+  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in names}
+  engine = rollout.JaxEngine(graphdef, jax.device_put(learn.params(), device), task_objs,
+                             rollout_settings(config), policy_version=start_step)
+  examples = {n: pipeline.eval_examples(config.data, n, c.eval.num_examples) for n in names}
+  evals_path = os.path.join(stage_dir(workdir), "evals.json")
+  evals = {k: v for k, v in (metrics_lib.read_json(evals_path) or {}).items()
+           if int(k) <= start_step}
+  if "0" not in evals:
+    evals["0"] = evaluate(config, graphdef, engine.params, examples, task_objs)
+    metrics_lib.write_json_atomic(evals_path, evals)
+  print(f"[rl] held-out at step {max(int(k) for k in evals)}: "
+        f"{_describe_eval(evals[str(max(int(k) for k in evals))])}")
+
+  num_steps = c.train.num_steps
+  writer = metrics_lib.MetricsWriter(workdir, STAGE, resume_step=start_step)
+  progress = metrics_lib.Progress(num_steps, start_step, STAGE, disable=not c.train.progress)
+  end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
+  base_key = jax.random.key(config.seed + 101)
+  step = start_step
+  try:
+    while step < end:
+      t0 = time.perf_counter()
+      batch = next(prompts)
+      exs = [tasks_lib.Example.from_json(x) for x in batch["example_json"]]
+      rollouts = engine.generate(exs, jax.random.fold_in(base_key, step))
+      metrics = _batch_metrics(rollouts, c.group_size)
+      metrics["rollout_s"] = time.perf_counter() - t0
+      t1 = time.perf_counter()
+      for mode, alpha in _teacher_forced(graphdef, engine.params, rollouts,
+                                         tuple(c.acceptance_modes), c.rollout.temperature,
+                                         c.rollout.batch_size, seq_len).items():
+        metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
+      metrics["diagnostics_s"] = time.perf_counter() - t1
+      metrics.update(learn.update(rollouts, step))
+      step += 1
+      engine.update_params(jax.device_put(learn.params(), device), policy_version=step)
+      work = metrics["rollout_s"] + metrics["learner_s"] + metrics["mtp_update_s"]
+      metrics.update(step_s=work, rollout_share=metrics["rollout_s"] / work,
+                     policy_version=step)
+      if c.train.eval_every and step % c.train.eval_every == 0 and step < num_steps:
+        evals[str(step)] = evaluate(config, graphdef, engine.params, examples, task_objs)
+        metrics.update({f"eval/pass_at_1/{n}": v
+                        for n, v in evals[str(step)]["pass_at_1"].items()})
+        metrics_lib.write_json_atomic(evals_path, evals)
+      if step % c.train.log_every == 0 or step == end:
+        writer.write(step, metrics)
+      progress.update(1, reward=metrics["reward_mean"])
+      if step % c.train.checkpoint_every == 0 or step == end:
+        checkpointer.save(step, dict(learn.state_tree(), rl_step=jnp.int32(step)),
+                          data_iterator=prompts)
+  finally:
+    progress.close()
+    writer.close()
+    checkpointer.close()
+  if step < num_steps:
+    print(f"[rl] stopped at step {step} of {num_steps}; rerun to resume")
+    return {"steps": step, "complete": False}
+  if str(num_steps) not in evals:
+    evals[str(num_steps)] = evaluate(config, graphdef, engine.params, examples, task_objs)
+    metrics_lib.write_json_atomic(evals_path, evals)
+  summary = _summary(config, workdir, evals, num_steps, source,
+                     time.perf_counter() - stage_start, learn.compile_seconds)
+  metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  print(f"[rl] done: {_describe_eval(evals[str(num_steps)])}")
+  return summary
+
+
+def _describe_eval(ev: dict) -> str:
+  parts = [f"{n} {v:.3f}+-{ev['pass_at_1_se'][n]:.3f}" for n, v in ev["pass_at_1"].items()]
+  acc = "; ".join(f"{m} acceptance {'/'.join(f'{a:.3f}' for a in r['acceptance'])}"
+                  for m, r in ev["modes"].items())
+  return ", ".join(parts) + f" ({acc})"
+
+
+def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
+  steps = metrics_lib.read_metrics(workdir, STAGE)
+  by_step = {r["step"]: r for r in steps}
+  ordered = [by_step[s] for s in sorted(by_step)]
+  k = max((int(key.rsplit("_", 1)[1]) for key in (ordered[0] if ordered else {})
+           if key.startswith("acceptance_")), default=0)
+  before, after = evals["0"], evals[str(num_steps)]
+  # Seconds of the logged steps (every step with log_every 1).
+  totals = {k: float(sum(r[k] for r in ordered))
+            for k in ("rollout_s", "learner_s", "mtp_update_s")}
+  tf_modes = tuple(config.rl.acceptance_modes)
+  return {
+      "steps": num_steps, "complete": True, "source_stage": source,
+      "mtp_strategy": config.rl.mtp.strategy, "rollout_engine": config.rl.rollout.engine,
+      "rollout_mode": config.rl.rollout.mode,
+      "pass_at_1_before": before["pass_at_1"], "pass_at_1_after": after["pass_at_1"],
+      "pass_at_1_se_before": before["pass_at_1_se"], "pass_at_1_se_after": after["pass_at_1_se"],
+      "pass_at_1_delta": paired_difference(before, after),
+      "acceptance_before": {m: r["acceptance"] for m, r in before["modes"].items()},
+      "acceptance_after": {m: r["acceptance"] for m, r in after["modes"].items()},
+      "tokens_per_target_forward_before": {m: r["tokens_per_target_forward"]
+                                           for m, r in before["modes"].items()},
+      "tokens_per_target_forward_after": {m: r["tokens_per_target_forward"]
+                                          for m, r in after["modes"].items()},
+      "logged_steps": [r["step"] for r in ordered],
+      "acceptance_by_step": [[r[f"acceptance_{d}"] for d in range(1, k + 1)] for r in ordered],
+      "tf_acceptance_by_step": {
+          m: [[r.get(f"tf_acceptance_{m}_{d}") for d in range(1, k + 1)] for r in ordered]
+          for m in tf_modes},
+      "reward_by_step": [r["reward_mean"] for r in ordered],
+      "entropy_by_step": [r["entropy"] for r in ordered],
+      "eval_by_step": {s: {"pass_at_1": e["pass_at_1"], "pass_at_1_se": e["pass_at_1_se"],
+                           "acceptance": {m: r["acceptance"] for m, r in e["modes"].items()}}
+                       for s, e in sorted(evals.items(), key=lambda kv: int(kv[0]))},
+      "timing": {**totals, "compile_s": compile_s, "stage_s": seconds,
+                 "rollout_share": totals["rollout_s"] / max(sum(totals.values()), 1e-9)},
+  }

@@ -1,0 +1,84 @@
+"""`JaxEngine`: rollouts decoded by the policy, speculatively with its MTP drafts or
+autoregressively, every task through its environment (decoding.multi_turn).
+
+A batch may mix tasks: single-turn rows stop at end of sequence, multi-turn rows also at the
+end of a tool call (per-row stop sets), and each row's environment scores it. Because
+verification is exact, a speculative rollout is a sample of the same policy as an
+autoregressive one; its behaviour log-probs are the policy's (the drafter adds no
+off-policyness) and come free from verification.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.decoding import multi_turn
+from bebop_jax.rollout import base
+
+
+class JaxEngine(base.RolloutEngine):
+  """Rollouts of the policy `(graphdef, params)` on examples of `tasks` ({name: Task})."""
+
+  def __init__(self, graphdef: nnx.GraphDef, params: nnx.State,
+               tasks: Mapping[str, tasks_lib.Task], settings: base.RolloutSettings,
+               policy_version: int = 0):
+    self.graphdef, self.params = graphdef, params
+    self.tasks = dict(tasks)
+    self.settings = settings
+    self.policy_version = policy_version
+    self.num_draft_steps = 0
+    if settings.engine == "speculative":
+      model_k = nnx.merge(graphdef, params).config.num_draft_steps
+      self.num_draft_steps = settings.num_draft_steps or model_k
+      if not 1 <= self.num_draft_steps <= model_k:
+        raise ValueError(f"num_draft_steps={settings.num_draft_steps} is not allowed: must be "
+                         f"in [1, {model_k}] (the model's MTP depth)")
+
+  def update_params(self, params: nnx.State, policy_version: int) -> None:
+    self.params, self.policy_version = params, policy_version
+
+  def _task(self, example: tasks_lib.Example) -> tasks_lib.Task:
+    if example.task not in self.tasks:
+      raise ValueError(f"an example of task {example.task!r}, but the engine has tasks "
+                       f"{sorted(self.tasks)}")
+    return self.tasks[example.task]
+
+  def generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array
+               ) -> base.Rollouts:
+    start = time.perf_counter()
+    s = self.settings
+    tok = get_tokenizer()
+    task_objs = [self._task(ex) for ex in examples]
+    prompts = [tok.encode(ex.prompt, add_bos=True) for ex in examples]
+    envs = [task.environment(ex) for task, ex in zip(task_objs, examples)]
+    stop_tokens = (tok.eos_id, tok.call_end_id)
+    row_stops = np.array([[True, task.multi_turn] for task in task_objs], bool).reshape(-1, 2)
+    common = dict(batch_size=s.batch_size, max_new_tokens=s.max_new_tokens,
+                  params=s.sampling, stop_tokens=stop_tokens, row_stops=row_stops,
+                  max_turn_tokens=s.max_turn_tokens,
+                  max_turns=max((task.max_turns for task in task_objs), default=1),
+                  prompt_buckets=s.prompt_buckets)
+    if s.engine == "speculative":
+      episodes = multi_turn.speculative_episodes(
+          self.graphdef, self.params, prompts, envs, rng, mode=s.decode_mode,
+          num_draft_steps=self.num_draft_steps, **common)
+    else:
+      longest = max((len(x) for x in prompts), default=0) + s.max_new_tokens - 1
+      if any(t.multi_turn for t in task_objs) and longest > s.prompt_buckets[-1]:
+        raise ValueError(
+            f"autoregressive multi-turn rollouts decode each turn from the whole context, up "
+            f"to {longest} tokens here (the longest prompt + max_new_tokens - 1), but the "
+            f"largest prompt bucket is {s.prompt_buckets[-1]}; add a bucket >= {longest}")
+      episodes = multi_turn.autoregressive_episodes(self.graphdef, self.params, prompts, envs,
+                                                    rng, **common)
+    return base.rollouts_from_episodes(
+        episodes, prompts, [tasks_lib.TASK_NAMES.index(ex.task) for ex in examples],
+        max_new_tokens=s.max_new_tokens, num_draft_steps=self.num_draft_steps,
+        policy_version=self.policy_version, seconds=time.perf_counter() - start)

@@ -1,0 +1,61 @@
+"""`MockEngine`: scripted completions, for tests of what consumes rollouts (advantages,
+learner batches, the RL loop's bookkeeping) without compiling a decoding loop."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import pipeline
+from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.decoding import multi_turn
+from bebop_jax.rollout import base
+
+# (example, row index in the batch, a per-call integer seed) -> completion text
+CompletionFn = Callable[[tasks_lib.Example, int, int], str]
+
+
+class MockEngine(base.RolloutEngine):
+  """Each completion is `completion_fn(example, row, seed)` followed by eos, scored by the
+  task's reward; tokens between RESULT_START and RESULT_END are environment replies (not in
+  the policy mask). Behaviour log-probs are the constant `logprob`, entropies `entropy`; no
+  drafts (K = 0)."""
+
+  def __init__(self, tasks: Mapping[str, tasks_lib.Task], completion_fn: CompletionFn,
+               settings: base.RolloutSettings = base.RolloutSettings(engine="autoregressive"),
+               *, logprob: float = -1.0, entropy: float = 1.0):
+    self.tasks, self.completion_fn, self.settings = dict(tasks), completion_fn, settings
+    self.logprob, self.entropy = logprob, entropy
+    self.params = None
+    self.calls = 0
+
+  def update_params(self, params, policy_version: int) -> None:
+    self.params, self.policy_version = params, policy_version
+
+  def generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array) -> base.Rollouts:
+    start = time.perf_counter()
+    self.calls += 1
+    tok = get_tokenizer()
+    seed = int(jax.random.randint(rng, (), 0, 2 ** 30))
+    n_max = self.settings.max_new_tokens
+    prompts, episodes = [], []
+    for row, ex in enumerate(examples):
+      text = self.completion_fn(ex, row, seed)
+      ids = tok.encode(text, add_eos=True)[:n_max]
+      mask = ~pipeline.tool_result_mask(np.asarray(ids, np.int32), tok)
+      prompts.append(tok.encode(ex.prompt, add_bos=True))
+      episodes.append(multi_turn.Episode(
+          tokens=ids, policy_mask=mask.tolist(),
+          logprobs=np.where(mask, self.logprob, 0.0).tolist(),
+          entropy=np.where(mask, self.entropy, 0.0).tolist(),
+          reward=float(self.tasks[ex.task].reward(ex, text)), turns=1, done=True,
+          attempted=np.zeros(0, np.int64), accepted=np.zeros(0, np.int64),
+          target_forwards=max(len(ids) - 1, 0)))
+    return base.rollouts_from_episodes(
+        episodes, prompts, [tasks_lib.TASK_NAMES.index(ex.task) for ex in examples],
+        max_new_tokens=n_max, num_draft_steps=0, policy_version=self.policy_version,
+        seconds=time.perf_counter() - start)
