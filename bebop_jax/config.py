@@ -169,6 +169,15 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def load_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of the experiment config file at `path` (a config may build on
+  another: `load_file(os.path.join(os.path.dirname(__file__), "other.py"))`)."""
+  namespace: dict[str, Any] = {"__file__": path, "__name__": "config_file"}
+  with open(path) as f:
+    exec(compile(f.read(), path, "exec"), namespace)  # pylint: disable=exec-used
+  return namespace["get_config"](arg)
+
+
 def _fail(key: str, value: Any, allowed: str):
   raise ConfigError(f"config.{key}={value!r} is not allowed: {allowed}")
 

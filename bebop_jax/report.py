@@ -25,6 +25,7 @@ import numpy as np
 
 from bebop_jax.decoding import batching, benchmark, diagnostics, sampling
 from bebop_jax.train import metrics as metrics_lib
+from bebop_jax.rl import stage as rl_stage
 from bebop_jax.train import mtp, sft
 
 STAGE = "eval"
@@ -117,6 +118,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           "benchmark": rows},
       "entropy_fit": fits,
   }
+  rl_summary = rl_stage.read_summary(workdir)
+  if rl_summary is not None:
+    summary["rl"] = rl_section(rl_summary)
   timing = _read_timing(workdir)
   started_at = timing.pop("started_at", None)
   timing["eval_s"] = time.perf_counter() - start
@@ -131,6 +135,19 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         f"({timing['eval_s']:.0f}s)")
   print(headline(summary))
   return summary
+
+
+def rl_section(r: dict) -> dict:
+  """summary.json's "rl": pass@1 before/after per task (with standard errors and the paired
+  difference), steps, per-step online acceptance per depth (and teacher-forced per mode),
+  held-out evaluations by step, timing."""
+  keys = ("steps", "mtp_strategy", "rollout_engine", "rollout_mode", "pass_at_1_before",
+          "pass_at_1_after", "pass_at_1_se_before", "pass_at_1_se_after", "pass_at_1_delta",
+          "acceptance_before", "acceptance_after", "tokens_per_target_forward_before",
+          "tokens_per_target_forward_after", "logged_steps", "acceptance_by_step",
+          "tf_acceptance_by_step", "reward_by_step", "entropy_by_step", "eval_by_step",
+          "timing")
+  return {k: r[k] for k in keys}
 
 
 def _compact(ev: dict | None, modes) -> dict | None:
@@ -228,7 +245,94 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   ax.set_ylabel("speedup vs autoregressive (wall clock)")
   ax.legend()
   paths["speedup_by_batch"] = save(fig, "speedup_by_batch")
+  if "rl" in s:
+    paths.update(_rl_plots(s["rl"], save, plt))
   return paths
+
+
+def _rl_plots(r: dict, save, plt) -> dict[str, str]:
+  """Reward and held-out pass@1 over RL steps; entropy and acceptance per depth over steps;
+  pass@1 before and after."""
+  paths = {}
+  steps = r["logged_steps"]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(steps, r["reward_by_step"], color="0.6", lw=1, label="training batch reward")
+  evals = sorted(r["eval_by_step"].items(), key=lambda kv: int(kv[0]))
+  for task in r["pass_at_1_before"]:
+    xs = [int(k) for k, _ in evals]
+    ys = np.array([e["pass_at_1"][task] for _, e in evals])
+    se = np.array([e["pass_at_1_se"][task] for _, e in evals])
+    line, = ax.plot(xs, ys, marker="o", label=f"held-out pass@1 {task}")
+    ax.fill_between(xs, ys - se, ys + se, color=line.get_color(), alpha=0.15)
+  ax.set_xlabel("RL step")
+  ax.set_ylabel("reward")
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  paths["rl_reward"] = save(fig, "rl_reward")
+
+  fig, ax1 = plt.subplots(figsize=(6, 4))
+  acc = np.array(r["acceptance_by_step"], float)
+  for d in range(acc.shape[1] if acc.ndim == 2 else 0):
+    ax1.plot(steps, acc[:, d], label=f"depth {d + 1} online ({r['rollout_mode']})")
+  for mode, rows in r["tf_acceptance_by_step"].items():
+    tf = np.array(rows, float)
+    if tf.ndim == 2 and tf.size:
+      ax1.plot(steps, tf[:, 0], ls="--", label=f"depth 1 teacher-forced ({mode})")
+  ax1.set_xlabel("RL step")
+  ax1.set_ylabel("acceptance")
+  ax2 = ax1.twinx()
+  ax2.plot(steps, r["entropy_by_step"], color="k", lw=1, ls=":", label="policy entropy")
+  ax2.set_ylabel("entropy of sampled tokens (nats)")
+  h1, l1 = ax1.get_legend_handles_labels()
+  h2, l2 = ax2.get_legend_handles_labels()
+  ax1.legend(h1 + h2, l1 + l2, fontsize=7)
+  ax1.grid(alpha=0.3)
+  paths["rl_acceptance"] = save(fig, "rl_acceptance")
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  tasks = list(r["pass_at_1_before"])
+  x = np.arange(len(tasks))
+  for i, (when, label) in enumerate((("before", "before RL"), ("after", "after RL"))):
+    ax.bar(x + 0.4 * i, [r[f"pass_at_1_{when}"][t] for t in tasks], 0.4,
+           yerr=[r[f"pass_at_1_se_{when}"][t] for t in tasks], capsize=3, label=label)
+  ax.set_xticks(x + 0.2)
+  ax.set_xticklabels(tasks)
+  ax.set_ylabel("held-out pass@1")
+  ax.legend()
+  paths["rl_pass_at_1"] = save(fig, "rl_pass_at_1")
+  return paths
+
+
+def _rl_report(r: dict, plots: dict[str, str]) -> list[str]:
+  fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)
+  t = r["timing"]
+  lines = ["## RL", "",
+           f"GRPO for {r['steps']} steps on {r['rollout_engine']} rollouts "
+           f"({r['rollout_mode']} verification), the drafter {r['mtp_strategy']}. The sections "
+           "above measure the policy and drafter that entered RL. Held-out pass@1 at the "
+           "rollout temperature, pooled over the evaluation modes (each samples the policy "
+           "exactly), with standard errors over prompts; the difference is paired (the same "
+           "prompts and keys before and after).", "",
+           "| task | before | after | after - before |", "|---|---|---|---|"]
+  for task, before in r["pass_at_1_before"].items():
+    d = r["pass_at_1_delta"][task]
+    lines.append(f"| {task} | {before:.3f} +- {r['pass_at_1_se_before'][task]:.3f} | "
+                 f"{r['pass_at_1_after'][task]:.3f} +- {r['pass_at_1_se_after'][task]:.3f} | "
+                 f"{d['delta']:+.3f} +- {d['se']:.3f} |")
+  lines += ["", "Drafter acceptance per depth on held-out prompts, before and after RL:", "",
+            "| mode | before | after | tokens / target forward before -> after |",
+            "|---|---|---|---|"]
+  for mode, before in r["acceptance_before"].items():
+    lines.append(f"| {mode} | {fmt(before)} | {fmt(r['acceptance_after'][mode])} | "
+                 f"{r['tokens_per_target_forward_before'][mode]:.2f} -> "
+                 f"{r['tokens_per_target_forward_after'][mode]:.2f} |")
+  lines += ["", f"Time: rollouts {t['rollout_s']:.0f} s, learner {t['learner_s']:.0f} s, "
+            f"MTP updates {t['mtp_update_s']:.0f} s (rollout share {t['rollout_share']:.0%}); "
+            f"the whole stage, evaluations included, {t['stage_s']:.0f} s.", ""]
+  for name in ("rl_pass_at_1", "rl_reward", "rl_acceptance"):
+    if name in plots:
+      lines += [f"![{name}](plots/{os.path.basename(plots[name])})", ""]
+  return lines
 
 
 def render_report(s: dict, plots: dict[str, str]) -> str:
@@ -294,6 +398,9 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
             "temperature, higher entropy). The paper's finding is that acceptance falls with "
             "entropy, far more steeply for greedy drafts than for rejection sampling.", "",
             f"![acceptance vs entropy](plots/{os.path.basename(plots['acceptance_vs_entropy'])})",
-            "", "## Time", "", "| stage | seconds (this invocation) |", "|---|---|"]
+            ""]
+  if "rl" in s:
+    lines += _rl_report(s["rl"], plots)
+  lines += ["## Time", "", "| stage | seconds (this invocation) |", "|---|---|"]
   lines += [f"| {k[:-2]} | {v:.1f} |" for k, v in s["timing"].items()]
   return "\n".join(lines) + "\n"

@@ -14,10 +14,7 @@ def test_base_and_experiment_configs_validate():
   config_lib.validate(config_lib.base_config())
   for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
     if name.endswith(".py") and not name.startswith("_"):
-      ns = {}
-      with open(os.path.join(REPO, "configs", name)) as f:
-        exec(compile(f.read(), name, "exec"), ns)  # pylint: disable=exec-used
-      config_lib.validate(ns["get_config"](None))
+      config_lib.validate(config_lib.load_file(os.path.join(REPO, "configs", name)))
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -26,6 +23,25 @@ def test_base_and_experiment_configs_validate():
     ("stages", (), "config.stages=() is not allowed"),
     ("data.tasks.math.weight", -1.0, "config.data.tasks.math.weight=-1.0"),
     ("data.packing", 1, "config.data.packing=1 is not allowed: must be True or False"),
+    ("rl.group_size", 1, "config.rl.group_size=1 is not allowed: must be >= 2 with "
+     "rl.advantage='grpo'"),
+    ("rl.advantage", "ppo", "config.rl.advantage='ppo' is not allowed: one of ('grpo', "
+     "'drgrpo', 'rloo')"),
+    ("rl.aggregation", "sum", "config.rl.aggregation='sum' is not allowed: one of"),
+    ("rl.clip_low", 1.5, "config.rl.clip_low=1.5 is not allowed: must be a number in [0, 1)"),
+    ("rl.clip_high", -0.1, "config.rl.clip_high=-0.1 is not allowed: must be a number >= 0"),
+    ("rl.rollout.engine", "beam", "config.rl.rollout.engine='beam' is not allowed: one of "
+     "('speculative', 'autoregressive')"),
+    ("rl.rollout.mode", "exact", "config.rl.rollout.mode='exact' is not allowed: one of "
+     "('rejection', 'greedy_draft', 'strict')"),
+    ("rl.rollout.temperature", 0.0, "config.rl.rollout.temperature=0.0 is not allowed"),
+    ("rl.mtp.strategy", "sometimes", "config.rl.mtp.strategy='sometimes' is not allowed: "
+     "one of ('frozen', 'online', 'periodic')"),
+    ("rl.mtp.loss", "mse", "config.rl.mtp.loss='mse' is not allowed"),
+    ("rl.minibatches", 3, "config.rl.minibatches=3 is not allowed: must divide the batch of "
+     "rl.prompts_per_batch x rl.group_size = 32 rollouts"),
+    ("rl.optim.trainable", "all", "config.rl.optim.trainable='all' is not allowed"),
+    ("rl.eval.modes", (), "config.rl.eval.modes=() is not allowed"),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(key, value, message):
   config = config_lib.base_config()

@@ -16,10 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(data_dir, name="quickstart_tiny", arg=None):
-  ns = {}
-  with open(os.path.join(REPO, "configs", f"{name}.py")) as f:
-    exec(compile(f.read(), f"{name}.py", "exec"), ns)  # pylint: disable=exec-used
-  config = ns["get_config"](arg)
+  config = config_lib.load_file(os.path.join(REPO, "configs", f"{name}.py"), arg)
   config.data.data_dir = str(data_dir)
   return config
 
@@ -47,11 +44,18 @@ def test_summary_has_the_documented_keys(job):
     assert set(s["entropy_fit"][mode]) >= {"slope", "intercept", "r2"}
   assert set(s["decode"]["speedup_vs_autoregressive"]) == {"1", "8"}
   assert all(v > 0 for v in s["decode"]["speedup_vs_autoregressive"].values())
-  assert {"sft_s", "mtp_s", "eval_s", "total_s"} <= set(s["timing"])
-  for plot in ("acceptance_by_depth", "acceptance_vs_entropy", "speedup_by_batch"):
+  assert {"sft_s", "mtp_s", "rl_s", "eval_s", "total_s"} <= set(s["timing"])
+  rl = s["rl"]
+  assert rl["steps"] == config.rl.train.num_steps == len(rl["acceptance_by_step"])
+  assert all(len(a) == k for a in rl["acceptance_by_step"])
+  for when in ("before", "after"):
+    assert set(rl[f"pass_at_1_{when}"]) == {"math", "code", "agentic"}
+  for plot in ("acceptance_by_depth", "acceptance_vs_entropy", "speedup_by_batch",
+               "rl_pass_at_1", "rl_reward", "rl_acceptance"):
     assert os.path.getsize(os.path.join(workdir, "plots", f"{plot}.png")) > 1000
   report = open(os.path.join(workdir, "report.md")).read()
   assert "| rejection |" in report and "acceptance_vs_entropy.png" in report
+  assert "## RL" in report and "rl_acceptance.png" in report
 
 
 def test_only_the_drafter_changes(job):
@@ -74,6 +78,7 @@ def test_rerun_reuses_everything(job, capsys):
   stages.run(config, workdir)
   out = capsys.readouterr().out
   assert "[sft] complete" in out and "[mtp] complete" in out and "[eval] complete" in out
+  assert "[rl] complete" in out
   assert time.perf_counter() - start < 30
   data_files = os.listdir(os.path.join(workdir, "mtp_data"))
   assert len([f for f in data_files if f.endswith(".npz")]) == 2  # train and held-out

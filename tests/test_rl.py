@@ -142,10 +142,7 @@ def test_periodic_strategy_updates_the_drafter_every_n_steps(strategy_runs):
 
 
 def _stage_config(data_dir, source, **rl):
-  ns = {}
-  with open(os.path.join(REPO, "configs", "rl_tiny.py")) as f:
-    exec(compile(f.read(), "rl_tiny.py", "exec"), ns)  # pylint: disable=exec-used
-  config = ns["get_config"](None)
+  config = config_lib.load_file(os.path.join(REPO, "configs", "rl_tiny.py"))
   config.data.data_dir = str(data_dir)
   # Easy math only, which 100 SFT steps teach the tiny policy partly: RL rewards vary.
   for name in ("code", "agentic"):

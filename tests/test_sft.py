@@ -16,10 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny_config(data_dir, **train):
-  ns = {}
-  with open(os.path.join(REPO, "configs", "sft_tiny.py")) as f:
-    exec(compile(f.read(), "sft_tiny.py", "exec"), ns)  # pylint: disable=exec-used
-  config = ns["get_config"](None)
+  config = config_lib.load_file(os.path.join(REPO, "configs", "sft_tiny.py"))
   config.data.data_dir = str(data_dir)
   config.eval.temperatures = (0.0,)
   config.eval.num_examples = 1

@@ -178,6 +178,11 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
       online, expected, attempted)
   # The position-weighted training metric is close to the online rate, not equal.
   assert (np.abs(online - np.asarray(tf["alpha"])) < 0.2).all()
+  # All modes from one forward give each mode's numbers.
+  both = diagnostics.teacher_forced_acceptance_by_mode(
+      graphdef, params_state, seq, gen, params=params, modes=("rejection", "greedy_draft"))
+  for key in ("alpha", "alpha_unweighted", "positions"):
+    np.testing.assert_allclose(np.asarray(both[mode][key]), np.asarray(tf[key]), rtol=1e-6)
 
 
 def test_weights_sliced_inside_the_loop_give_the_same_generation():

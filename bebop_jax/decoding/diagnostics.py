@@ -54,10 +54,10 @@ def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Arra
   return seq, generated
 
 
-def _per_position(model, sequences, generated, params, mode):
-  """alphas [K, B, T] (per-draft acceptance of depth k's draft at start i), masks [K, B, T]
-  (i is a frontier candidate and x_{i+k+1} is generated), target entropy [K, B, T] of the
-  transformed p_{i+k} (nats)."""
+def _per_position(model, sequences, generated, params, modes):
+  """({mode: alphas [K, B, T]} (per-draft acceptance of depth k's draft at start i), masks
+  [K, B, T] (i is a frontier candidate and x_{i+k+1} is generated), target entropy
+  [K, B, T] of the transformed p_{i+k} (nats)), from one forward for all `modes`."""
   valid_tokens = (sequences > 0) | generated
   segment_ids = valid_tokens.astype(jnp.int32)
   out = model(sequences, segment_ids=segment_ids)
@@ -65,16 +65,17 @@ def _per_position(model, sequences, generated, params, mode):
   target = jnp.exp(logp)
   ent = -jnp.sum(jnp.where(target > 0, target * logp, 0.0), axis=-1)        # [B, T]
   k_steps = out["mtp_logits"].shape[0]
-  alphas, entropies = [], []
+  alphas, entropies = {mode: [] for mode in modes}, []
   for k in range(1, k_steps + 1):
     q = jnp.exp(sampling.sampling_logprobs(out["mtp_logits"][k - 1], params))   # q_i^k
     p_shift = jnp.concatenate([target[:, k:], jnp.zeros_like(target[:, :k])], axis=1)
-    alphas.append(verify_lib.per_draft_acceptance(q, p_shift, mode))
+    for mode in modes:
+      alphas[mode].append(verify_lib.per_draft_acceptance(q, p_shift, mode))
     entropies.append(shift_left(ent, k))
   # i is a frontier candidate when x_{i+1} is generated; depth k needs x_{i+k+1} generated.
   masks = jnp.stack([shift_left(generated, k + 1) & shift_left(generated, 1)
                      for k in range(1, k_steps + 1)]) & out["mtp_mask"]
-  return jnp.stack(alphas), masks, jnp.stack(entropies)
+  return {mode: jnp.stack(a) for mode, a in alphas.items()}, masks, jnp.stack(entropies)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "mode"))
@@ -85,8 +86,8 @@ def acceptance_by_position(graphdef: nnx.GraphDef, state: nnx.State, sequences: 
   position i, whether it counts, and the entropy of the target p_{i+k} it is scored against
   (after the sampling transform). For acceptance-against-entropy plots."""
   alphas, masks, ent = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
-                                     mode)
-  return {"alpha": alphas, "mask": masks, "entropy": ent}
+                                     (mode,))
+  return {"alpha": alphas[mode], "mask": masks, "entropy": ent}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "mode"))
@@ -108,7 +109,22 @@ def teacher_forced_acceptance(graphdef: nnx.GraphDef, state: nnx.State, sequence
     in the sequence.
   """
   alphas, masks, _ = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
-                                   mode)
+                                   (mode,))
+  return _summarise(alphas[mode], masks, frontier_depths)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "modes"))
+def teacher_forced_acceptance_by_mode(graphdef: nnx.GraphDef, state: nnx.State,
+                                      sequences: jax.Array, generated: jax.Array, *,
+                                      params: sampling.SamplingParams,
+                                      modes: tuple[str, ...]) -> dict[str, dict[str, jax.Array]]:
+  """{mode: teacher_forced_acceptance's result} for several modes from one forward."""
+  alphas, masks, _ = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
+                                   modes)
+  return {mode: _summarise(alphas[mode], masks, None) for mode in modes}
+
+
+def _summarise(alphas, masks, frontier_depths):
   k_steps = alphas.shape[0]
   reach = jnp.concatenate([jnp.ones_like(alphas[:1]), jnp.cumprod(alphas, axis=0)[:-1]])
   w = reach * masks
@@ -122,7 +138,8 @@ def teacher_forced_acceptance(graphdef: nnx.GraphDef, state: nnx.State, sequence
     result["accepted_variance"] = jnp.sum(visited * alphas * (1 - alphas), axis=(1, 2))
     result["alpha_at_frontiers"] = result["expected_accepted"] / jnp.maximum(
         result["visits"], 1.0)
-  return result | {"alpha": jnp.sum(w * alphas, axis=(1, 2)) / jnp.maximum(jnp.sum(w, axis=(1, 2)), 1e-9),
-          "alpha_unweighted": jnp.sum(m * alphas, axis=(1, 2)) / jnp.maximum(
-              jnp.sum(m, axis=(1, 2)), 1.0),
-          "positions": jnp.sum(masks, axis=(1, 2))}
+  return result | {
+      "alpha": jnp.sum(w * alphas, axis=(1, 2)) / jnp.maximum(jnp.sum(w, axis=(1, 2)), 1e-9),
+      "alpha_unweighted": jnp.sum(m * alphas, axis=(1, 2)) / jnp.maximum(
+          jnp.sum(m, axis=(1, 2)), 1.0),
+      "positions": jnp.sum(masks, axis=(1, 2))}

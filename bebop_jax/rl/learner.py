@@ -120,26 +120,37 @@ def mtp_batch(batch: Mapping[str, np.ndarray], rollouts: Rollouts) -> dict[str, 
 
 MTP_STRATEGIES = ("frozen", "online", "periodic")
 _MTP_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+LENGTH_STEP = 64  # learner batches are cut to the smallest multiple of this that fits
+
+
+def length_buckets(seq_len: int) -> tuple[int, ...]:
+  """The learner batch lengths: multiples of LENGTH_STEP below seq_len, and seq_len."""
+  return tuple(range(LENGTH_STEP, seq_len, LENGTH_STEP)) + (seq_len,)
 
 
 class Learner:
   """The RL learner over two parameter groups: the trunk (policy updates with the clipped
   loss, `rl.optim`) and the MTP modules (`rl.mtp.strategy`: frozen, or MTP-only updates with
-  `rl.mtp.loss`, `rl.mtp.optim`). Both updates are the shared train step, compiled ahead of
-  time for fixed shapes on the mesh, parameters and optimizer states donated.
+  `rl.mtp.loss`, `rl.mtp.optim`). Both updates are the shared train step on the mesh,
+  parameters and optimizer states donated, compiled ahead of time once per length bucket:
+  a batch is cut to the smallest of `length_buckets(seq_len)` that holds its longest
+  rollout (completions are mostly far shorter than their budget), so a run compiles at most
+  a handful of shapes and nothing in steady state.
 
   `rl` is the validated `config.rl` section; `params` the policy's parameters (trunk and MTP
-  modules); `seq_len` the learner batch length (max prompt + completion budget).
+  modules); `seq_len` the longest rollout (max prompt + completion budget).
   """
 
   def __init__(self, rl: Any, graphdef: nnx.GraphDef, params: nnx.State, *, mesh, rules,
                seq_len: int):
-    self.rl, self.seq_len = rl, seq_len
+    self.rl, self.seq_len, self.mesh, self.rules = rl, seq_len, mesh, rules
+    self.buckets = length_buckets(seq_len)
     self.strategy = rl.mtp.strategy
     if self.strategy not in MTP_STRATEGIES:
       raise ValueError(f"rl.mtp.strategy={self.strategy!r} is not allowed: one of "
                        f"{MTP_STRATEGIES}")
     self.rows = rl.prompts_per_batch * rl.group_size
+    self.update_rows = self.rows // rl.minibatches
     self.sampling = sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k,
                                             rl.rollout.top_p)
     model = nnx.merge(graphdef, params)
@@ -153,22 +164,14 @@ class Learner:
     self.trunk, self.mtp = state.trainable, state.frozen
     self.trunk_opt, self.updates = state.opt_state, state.step
     self.ref_trunk = jax.tree.map(jnp.copy, self.trunk) if rl.kl_coef > 0 else None
-    self.mtp_opt = self.mtp_updates = self.buffer = None
-    update_rows = self.rows // rl.minibatches
-    example = with_token_weights(learner_batch(_empty_rollouts(update_rows, seq_len),
-                                               np.zeros(update_rows), seq_len),
-                                 rl.aggregation, rl.train.grad_accum_steps)
-    if self.ref_trunk is not None:
-      example["ref_logprobs"] = np.zeros((update_rows, seq_len), np.float32)
-    self.policy_step = trainer.compile_train_step(
-        trainer.make_train_step(self.graphdef, make_policy_loss_fn(
-            self.sampling, clip_low=rl.clip_low, clip_high=rl.clip_high,
-            aggregation=rl.aggregation, kl_coef=rl.kl_coef), self.tx, schedule,
-            rl.train.grad_accum_steps), state, example, mesh, rules, self.tx)
-    self.batch_sh = trainer.batch_shardings(example, mesh, rules)
     self.ref_fn = (make_logprobs_fn(self.graphdef, self.sampling)
                    if self.ref_trunk is not None else None)
-    self.mtp_step = None
+    self._policy_fn = trainer.make_train_step(self.graphdef, make_policy_loss_fn(
+        self.sampling, clip_low=rl.clip_low, clip_high=rl.clip_high,
+        aggregation=rl.aggregation, kl_coef=rl.kl_coef), self.tx, schedule,
+        rl.train.grad_accum_steps)
+    self._compiled: dict[tuple[str, int], tuple[trainer.CompiledStep, Any]] = {}
+    self.mtp_opt = self.mtp_updates = self.buffer = None
     if self.strategy != "frozen":
       total = num_steps if self.strategy == "online" else num_steps // rl.mtp.every * rl.mtp.every
       self.mtp_tx, mtp_schedule = optimizer_lib.make_optimizer(rl.mtp.optim, max(total, 1))
@@ -176,7 +179,6 @@ class Learner:
           trainer.TrainState(self.mtp, self.trunk, self.mtp_tx.init(self.mtp), 0), mesh,
           rules, self.mtp_tx)
       self.mtp_opt, self.mtp_updates = mstate.opt_state, mstate.step
-      mtp_example = {k: np.zeros((self.rows, seq_len), np.int32) for k in _MTP_KEYS}
 
       def mtp_loss_fn(model, batch):
         out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
@@ -184,18 +186,54 @@ class Learner:
         return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=rl.mtp.loss,
                                    temperature=rl.rollout.temperature)
 
-      self.mtp_step = trainer.compile_train_step(
-          trainer.make_train_step(self.graphdef, mtp_loss_fn, self.mtp_tx, mtp_schedule),
-          mstate, mtp_example, mesh, rules, self.mtp_tx)
-      self.mtp_sh = trainer.batch_shardings(mtp_example, mesh, rules)
+      self._mtp_fn = trainer.make_train_step(self.graphdef, mtp_loss_fn, self.mtp_tx,
+                                             mtp_schedule)
       if self.strategy == "periodic":
         self.buffer = {k: np.zeros((rl.mtp.every, self.rows, seq_len), np.int32)
                        for k in _MTP_KEYS}
+    self._step("policy", seq_len)  # the longest shape ahead of time; shorter ones on first use
+    if self.strategy != "frozen":
+      self._step("mtp", seq_len)
+
+  def _step(self, kind: str, length: int) -> tuple[trainer.CompiledStep, dict[str, Any]]:
+    """(the compiled policy or MTP update for batches of `length` positions, the batch
+    shardings)."""
+    key = (kind, length)
+    if key not in self._compiled:
+      if kind == "policy":
+        example = with_token_weights(learner_batch(
+            _empty_rollouts(self.update_rows, length), np.zeros(self.update_rows), length),
+            self.rl.aggregation, self.rl.train.grad_accum_steps)
+        if self.ref_trunk is not None:
+          example["ref_logprobs"] = np.zeros((self.update_rows, length), np.float32)
+        state = trainer.TrainState(self.trunk, self.mtp, self.trunk_opt, self.updates)
+        fn, tx = self._policy_fn, self.tx
+      else:
+        example = {k: np.zeros((self.rows, length), np.int32) for k in _MTP_KEYS}
+        state = trainer.TrainState(self.mtp, self.trunk, self.mtp_opt, self.mtp_updates)
+        fn, tx = self._mtp_fn, self.mtp_tx
+      self._compiled[key] = (
+          trainer.compile_train_step(fn, state, example, self.mesh, self.rules, tx),
+          trainer.batch_shardings(example, self.mesh, self.rules))
+    return self._compiled[key]
 
   @property
   def compile_seconds(self) -> float:
-    return self.policy_step.compile_seconds + (self.mtp_step.compile_seconds
-                                               if self.mtp_step else 0.0)
+    """Seconds spent compiling updates so far."""
+    return sum(c.compile_seconds for c, _ in self._compiled.values())
+
+  @property
+  def num_compiled(self) -> int:
+    return len(self._compiled)
+
+  def bucket(self, lengths: np.ndarray) -> int:
+    """The smallest length bucket that holds every one of `lengths`."""
+    longest = int(np.max(lengths))
+    for b in self.buckets:
+      if longest <= b:
+        return b
+    raise ValueError(f"a rollout of {longest} tokens is longer than the learner's "
+                     f"{self.seq_len} (max_prompt_len + max_new_tokens)")
 
   def params(self) -> nnx.State:
     """The current parameters, trunk and MTP modules (one version)."""
@@ -235,18 +273,20 @@ class Learner:
     adv = np.asarray(algorithms.advantages(rollouts.rewards, rl.group_size, rl.advantage))
     keep = (np.asarray(algorithms.dynamic_sampling_mask(rollouts.rewards, rl.group_size))
             if rl.dynamic_sampling else None)
-    full = learner_batch(rollouts, adv, self.seq_len, keep)
+    length = self.bucket(rollouts.prompt_lengths + rollouts.lengths)
+    full = learner_batch(rollouts, adv, length, keep)
     if self.ref_fn is not None:
       full["ref_logprobs"] = np.asarray(self.ref_fn(self.ref_trunk, self.mtp, full["tokens"],
                                                     full["segment_ids"]))
-    size = self.rows // rl.minibatches
+    compiled, batch_sh = self._step("policy", length)
+    size = self.update_rows
     results = []
     for _ in range(rl.epochs):
       for mb in range(rl.minibatches):
         part = with_token_weights({k: v[mb * size:(mb + 1) * size] for k, v in full.items()},
                                   rl.aggregation, rl.train.grad_accum_steps)
-        part = {k: jax.device_put(v, self.batch_sh[k]) for k, v in part.items()}
-        self.trunk, self.trunk_opt, self.updates, m = self.policy_step.fn(
+        part = {k: jax.device_put(v, batch_sh[k]) for k, v in part.items()}
+        self.trunk, self.trunk_opt, self.updates, m = compiled.fn(
             self.trunk, self.mtp, self.trunk_opt, self.updates, part)
         results.append(m)
     results = jax.device_get(results)
@@ -256,6 +296,8 @@ class Learner:
     metrics["sampler_learner_logprob_diff_mean"] = float(results[0]["logprob_diff_mean"])
     metrics["sampler_learner_logprob_diff_max"] = float(results[0]["logprob_diff_max"])
     metrics["dropped_frac"] = float(1 - keep.mean()) if keep is not None else 0.0
+    metrics["learner_length"] = length
+    metrics["learner_compiles"] = self.num_compiled
     metrics["learner_s"] = time.perf_counter() - start
     start = time.perf_counter()
     metrics.update(self._update_mtp(mtp_batch(full, rollouts), step))
@@ -268,14 +310,20 @@ class Learner:
     if self.strategy == "online":
       batches = [fresh]
     else:
+      n = fresh["tokens"].shape[1]
       for k in self.buffer:
-        self.buffer[k][step % self.rl.mtp.every] = fresh[k]
+        self.buffer[k][step % self.rl.mtp.every] = np.pad(fresh[k],
+                                                          ((0, 0), (0, self.seq_len - n)))
       if (step + 1) % self.rl.mtp.every:
         return {}
-      batches = [{k: v[i] for k, v in self.buffer.items()} for i in range(self.rl.mtp.every)]
+      batches = []
+      for i in range(self.rl.mtp.every):
+        length = self.bucket(self.buffer["segment_ids"][i].sum(axis=1))
+        batches.append({k: v[i, :, :length] for k, v in self.buffer.items()})
     for b in batches:
-      b = {k: jax.device_put(v, self.mtp_sh[k]) for k, v in b.items()}
-      self.mtp, self.mtp_opt, self.mtp_updates, m = self.mtp_step.fn(
+      compiled, batch_sh = self._step("mtp", b["tokens"].shape[1])
+      b = {k: jax.device_put(v, batch_sh[k]) for k, v in b.items()}
+      self.mtp, self.mtp_opt, self.mtp_updates, m = compiled.fn(
           self.mtp, self.trunk, self.mtp_opt, self.mtp_updates, b)
     return {f"mtp/{k}": float(v) for k, v in jax.device_get(m).items()}
 

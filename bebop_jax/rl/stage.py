@@ -134,19 +134,15 @@ def paired_difference(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def _teacher_forced(graphdef, params, rollouts: rollout.Rollouts, modes, temperature: float,
-                    batch_size: int, seq_len: int) -> dict[str, list[float]]:
+                    batch_size: int, buckets) -> dict[str, list[float]]:
   """Per mode: per-depth acceptance of the batch's rollouts, weighted by the probability of
-  reaching each depth (decoding.diagnostics), under `params`."""
+  reaching each depth (decoding.diagnostics, one forward for all modes), under `params`."""
   if not modes:
     return {}
-  seqs = rollouts.sequences()
-  out = {}
-  for mode in modes:
-    res = mtp_stage.teacher_forced_acceptance(
-        graphdef, params, seqs, temperature=temperature, modes=(mode,), batch_size=batch_size,
-        buckets=(seq_len,))
-    out[mode] = res[mode]["alpha"]
-  return out
+  res = mtp_stage.teacher_forced_acceptance(
+      graphdef, params, rollouts.sequences(), temperature=temperature, modes=modes,
+      batch_size=batch_size, buckets=buckets)
+  return {mode: res[mode]["alpha"] for mode in modes}
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -236,7 +232,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       t1 = time.perf_counter()
       for mode, alpha in _teacher_forced(graphdef, engine.params, rollouts,
                                          tuple(c.acceptance_modes), c.rollout.temperature,
-                                         c.rollout.batch_size, seq_len).items():
+                                         c.rollout.batch_size, learn.buckets).items():
         metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
       metrics["diagnostics_s"] = time.perf_counter() - t1
       metrics.update(learn.update(rollouts, step))

@@ -204,21 +204,22 @@ def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float
   ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha")."""
   params_s = sampling.SamplingParams(temperature=temperature)
   longest = batching.bucket(max(len(t) for t, _ in sequences), buckets)
-  results = {}
-  for mode in modes:
-    sums = {"alpha": 0.0, "alpha_unweighted": 0.0}
-    weights = {"alpha": 0.0, "alpha_unweighted": 0.0}
-    for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
-      out = jax.device_get(diagnostics.teacher_forced_acceptance(
-          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s, mode=mode))
-      # Combine batches by their position counts (exact for the plain mean; the weighted
-      # one is combined by positions too, a close approximation across batches).
-      n = np.asarray(out["positions"], float)
-      for key in sums:
-        sums[key] = sums[key] + np.asarray(out[key]) * n
-        weights[key] = weights[key] + n
-    results[mode] = {k: (sums[k] / np.maximum(weights[k], 1)).tolist() for k in sums}
-  return results
+  keys = ("alpha", "alpha_unweighted")
+  sums = {mode: {k: 0.0 for k in keys} for mode in modes}
+  weights = {mode: 0.0 for mode in modes}
+  for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
+    out = jax.device_get(diagnostics.teacher_forced_acceptance_by_mode(
+        graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s,
+        modes=tuple(modes)))
+    # Combine batches by their position counts (exact for the plain mean; the weighted
+    # one is combined by positions too, a close approximation across batches).
+    for mode in modes:
+      n = np.asarray(out[mode]["positions"], float)
+      for key in keys:
+        sums[mode][key] = sums[mode][key] + np.asarray(out[mode][key]) * n
+      weights[mode] = weights[mode] + n
+  return {mode: {k: (sums[mode][k] / np.maximum(weights[mode], 1)).tolist() for k in keys}
+          for mode in modes}
 
 
 def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examples,
