@@ -63,6 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.seed = 0  # seed of example generation (train and test)
   c.data.num_train = 20_000
   c.data.num_test = 256
+  c.data.num_rl = 1024  # RL training prompts per task (in neither train nor test)
   c.data.tasks = ml_collections.ConfigDict()
   for name in tasks_lib.TASK_NAMES:
     c.data.tasks[name] = ml_collections.ConfigDict(
@@ -218,7 +219,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("stages", config.stages, f"must be a non-empty tuple of distinct stages from {STAGES}")
 
   d = config.data
-  for key in ("data.num_train", "data.num_test", "data.seq_len", "data.batch_size"):
+  for key in ("data.num_train", "data.num_test", "data.num_rl", "data.seq_len",
+              "data.batch_size"):
     _positive_int(config, key)
   if not isinstance(d.data_dir, str) or not d.data_dir:
     _fail("data.data_dir", d.data_dir, "must be a non-empty path")

@@ -27,8 +27,9 @@ def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     task = tasks_lib.get_task(name, **d.tasks[name].knobs)
     examples = pipeline.eval_examples(d, name, config.preview.examples_per_task)
     report["tasks"][name] = {"num_train": len(source), "num_test": d.num_test,
+                             "num_rl": d.num_rl,
                              "prepare_s": round(time.perf_counter() - start, 2)}
-    print(f"\n===== {name}: {len(source)} train / {d.num_test} test examples "
+    print(f"\n===== {name}: {len(source)} train / {d.num_test} test / {d.num_rl} RL examples "
           f"(knobs {dict(d.tasks[name].knobs)})")
     for ex in examples:
       wrong = ex.demonstration[:len(ex.demonstration) // 2]

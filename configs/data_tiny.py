@@ -9,6 +9,7 @@ def get_config(arg: str | None = None):
   config.stages = ("data",)
   config.data.num_train = 64
   config.data.num_test = 16
+  config.data.num_rl = 16
   config.data.batch_size = 8
   config.data.seq_len = 256
   config.rl.prompts_per_batch = 2

@@ -1,12 +1,14 @@
-"""The quickstart: SFT -> MTP drafter training (e2e-TV) -> evaluation and report.
+"""The quickstart: SFT -> MTP drafter training (e2e-TV) -> GRPO on speculative rollouts ->
+evaluation and report.
 
   python -m bebop_jax.main --config=configs/quickstart.py --workdir=runs/quickstart
 
-On two CPU cores: SFT of the ~1M-parameter `small_deep` policy on the three synthetic tasks
-(7.5 to 14.5 minutes, depending on the machine), MTP training with the end-to-end TV loss on
-the frozen policy's own rollouts (2 to 4 minutes), then speculative decoding against
-autoregressive decoding and the report (1.5 to 3.5 minutes). Writes <workdir>/report.md, summary.json and plots/. Each stage is skipped
-when complete and resumed from its last checkpoint when interrupted: rerun the same command.
+On two CPU cores: SFT of the ~1M-parameter `small_deep` policy on the three synthetic tasks,
+MTP training with the end-to-end TV loss on the frozen policy's own rollouts, 80 GRPO steps
+with the drafter frozen, then speculative against autoregressive decoding and the report
+(docs/main_job.md has the times). Writes <workdir>/report.md, summary.json and plots/. Each
+stage is skipped when complete and resumed from its last checkpoint when interrupted: rerun
+the same command.
 """
 
 from bebop_jax import config as config_lib
@@ -16,7 +18,7 @@ from bebop_jax.model import config as model_config
 def get_config(arg: str | None = None):
   del arg
   config = config_lib.base_config()
-  config.stages = ("sft", "mtp", "eval")
+  config.stages = ("sft", "mtp", "rl", "eval")
   config.model.update(model_config.PRESETS["small_deep"])
   config.data.num_train = 20_000
   config.data.num_test = 256
@@ -44,6 +46,18 @@ def get_config(arg: str | None = None):
   config.mtp.train.checkpoint_every = 50
   config.mtp.optim.learning_rate = 1e-3
   config.mtp.optim.warmup_steps = 20
+  # RL: 80 GRPO steps of 16 unseen prompts x 8 rollouts (speculative, rejection sampling,
+  # temperature 1), two policy updates per step, the drafter frozen; held-out evaluation on
+  # all 256 test prompts per task before, at step 40 and after.
+  config.rl.prompts_per_batch = 16
+  config.rl.group_size = 8
+  config.rl.minibatches = 2
+  config.rl.rollout.batch_size = 64
+  config.rl.optim.learning_rate = 1e-4
+  config.rl.train.num_steps = 80
+  config.rl.train.eval_every = 40
+  config.rl.train.checkpoint_every = 20
+  config.rl.eval.num_examples = 256
   # Evaluation: pass@1 on 64 held-out prompts per task.
   config.eval.num_examples = 64
   config.eval.batch_size = 64

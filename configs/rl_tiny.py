@@ -16,6 +16,7 @@ def get_config(arg: str | None = None):
   config.stages = ("sft", "mtp", "rl")
   config.data.num_train = 64
   config.data.num_test = 8
+  config.data.num_rl = 16
   config.data.batch_size = 8
   config.data.seq_len = 192
   config.sft.train.num_steps = 4

@@ -9,6 +9,7 @@ def get_config(arg: str | None = None):
   config.stages = ("sft",)
   config.data.num_train = 64
   config.data.num_test = 8
+  config.data.num_rl = 8
   config.data.batch_size = 8  # a multiple of the device count (8 simulated in tests)
   config.data.seq_len = 192
   config.sft.train.num_steps = 6

@@ -24,6 +24,7 @@ def tiny_data_config(tmp_path_factory):
   config.data.data_dir = str(tmp_path_factory.mktemp("datasets"))
   config.data.num_train = 96
   config.data.num_test = 16
+  config.data.num_rl = 16
   return config.data
 
 

@@ -122,3 +122,21 @@ def test_test_split_is_held_out(tiny_data_config):
     assert len(test) == tiny_data_config.num_test
     train_prompts = {bytes(train[i]["prompt"]).decode() for i in range(len(train))}
     assert not train_prompts & {ex.prompt for ex in test}
+
+
+def test_rl_split_is_disjoint_from_train_and_test(tiny_data_config):
+  """RL learns on prompts SFT never saw and evaluation never shows."""
+  rl_prompts = {}
+  for name in TASK_NAMES:
+    prompts = {}
+    for split in ("train", "test", "rl"):
+      source = pipeline.task_source(tiny_data_config, name, split)
+      prompts[split] = {bytes(source[i]["prompt"]).decode() for i in range(len(source))}
+    assert len(prompts["rl"]) == tiny_data_config.num_rl
+    assert not prompts["rl"] & (prompts["train"] | prompts["test"])
+    rl_prompts[name] = prompts["rl"]
+  batch = next(iter(pipeline.rl_prompt_dataset(tiny_data_config, prompts_per_batch=4,
+                                               group_size=2, max_prompt_len=128)))
+  for raw in batch["example_json"]:  # the RL prompt stream reads the rl split
+    ex = Example.from_json(raw)
+    assert ex.prompt in rl_prompts[ex.task]

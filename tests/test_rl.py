@@ -149,7 +149,7 @@ def _stage_config(data_dir, source, **rl):
     config.data.tasks[name].weight = 0.0
   config.data.tasks.math.knobs.update(max_operands=2, max_value=9, operators="+",
                                       paren_prob=0.0)
-  config.data.num_train, config.data.num_test = 60, 16
+  config.data.num_train, config.data.num_test, config.data.num_rl = 60, 16, 16
   config.sft.train.num_steps = 100
   config.sft.train.log_every = 50
   config.sft.train.checkpoint_every = 100

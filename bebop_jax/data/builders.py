@@ -4,7 +4,9 @@ One builder per task (`bebop_math`, `bebop_code`, `bebop_agentic`). A builder co
 named after what determines its content (example counts, seed and a hash of the difficulty
 knobs), so data made with other knobs never collides in a shared data directory. Splits:
   * train: examples from seeds derived from (seed, index);
-  * test: held-out examples from a disjoint seed range whose prompts do not occur in train.
+  * test: held-out examples from a disjoint seed range whose prompts do not occur in train;
+  * rl: RL training prompts from a third seed range, in neither train nor test (RL learns
+    on prompts that SFT never saw, as in a real post-training pipeline).
 Every record holds `prompt`, `demonstration` and `example_json` (the whole `Example`).
 
 `prepare(task_name, knobs, ...)` builds on first use (TFDS writes into a temporary directory
@@ -23,30 +25,33 @@ import tensorflow_datasets as tfds
 
 from bebop_jax import tasks as tasks_lib
 
-_TEST_SEED_OFFSET = 1 << 40  # test seeds never meet train seeds
+_SEED_OFFSETS = {"test": 1 << 40, "rl": 2 << 40}  # held-out seeds never meet train seeds
 _MAX_TEST_ATTEMPTS_FACTOR = 50
 
 
-def config_name(num_train: int, num_test: int, seed: int, knobs: dict[str, Any]) -> str:
+def config_name(num_train: int, num_test: int, num_rl: int, seed: int,
+                knobs: dict[str, Any]) -> str:
   """A builder-config name that changes whenever the generated content would."""
   blob = json.dumps({"knobs": knobs, "seed": seed}, sort_keys=True, default=str)
   digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
-  return f"train{num_train}_test{num_test}_seed{seed}_{digest}"
+  return f"train{num_train}_test{num_test}_rl{num_rl}_seed{seed}_{digest}"
 
 
 class _TaskBuilderConfig(tfds.core.BuilderConfig):
 
-  def __init__(self, *, num_train: int, num_test: int, seed: int, knobs: dict[str, Any]):
-    super().__init__(name=config_name(num_train, num_test, seed, knobs),
+  def __init__(self, *, num_train: int, num_test: int, num_rl: int, seed: int,
+               knobs: dict[str, Any]):
+    super().__init__(name=config_name(num_train, num_test, num_rl, seed, knobs),
                      description=json.dumps(knobs, sort_keys=True, default=str))
     self.num_train = num_train
     self.num_test = num_test
+    self.num_rl = num_rl
     self.seed = seed
     self.knobs = dict(knobs)
 
 
 class _TaskBuilder(tfds.core.GeneratorBasedBuilder):
-  """Writes `num_train` + `num_test` examples of one task."""
+  """Writes `num_train` + `num_test` + `num_rl` examples of one task."""
 
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "First release."}
@@ -65,8 +70,7 @@ class _TaskBuilder(tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing is downloaded
-    return {"train": self._generate_examples("train"),
-            "test": self._generate_examples("test")}
+    return {split: self._generate_examples(split) for split in ("train", "test", "rl")}
 
   def _generate_examples(self, split: str) -> Iterator[tuple[int, dict[str, str]]]:
     cfg = self.builder_config
@@ -75,22 +79,31 @@ class _TaskBuilder(tfds.core.GeneratorBasedBuilder):
       for i in range(cfg.num_train):
         yield i, _record(task.sample(cfg.seed * cfg.num_train + i))
       return
-    train_prompts = {task.sample(cfg.seed * cfg.num_train + i).prompt
-                     for i in range(cfg.num_train)}
-    emitted = 0
-    for i in range(cfg.num_test * _MAX_TEST_ATTEMPTS_FACTOR):
-      example = task.sample(_TEST_SEED_OFFSET + cfg.seed * cfg.num_test * 64 + i)
-      if example.prompt in train_prompts:
+    seen = {task.sample(cfg.seed * cfg.num_train + i).prompt for i in range(cfg.num_train)}
+    if split == "rl":  # neither in train nor in test
+      seen |= {ex.prompt for ex in self._held_out(task, "test", cfg.num_test, set(seen))}
+    for i, example in enumerate(self._held_out(task, split, getattr(cfg, f"num_{split}"),
+                                               seen)):
+      yield i, _record(example)
+
+  def _held_out(self, task, split: str, count: int, seen: set[str]
+                ) -> list[tasks_lib.Example]:
+    """`count` examples of the split's seed range with distinct prompts not in `seen`."""
+    cfg = self.builder_config
+    out = []
+    for i in range(count * _MAX_TEST_ATTEMPTS_FACTOR):
+      example = task.sample(_SEED_OFFSETS[split] + cfg.seed * count * 64 + i)
+      if example.prompt in seen:
         continue
-      train_prompts.add(example.prompt)  # no duplicates inside test either
-      yield emitted, _record(example)
-      emitted += 1
-      if emitted == cfg.num_test:
-        return
+      seen.add(example.prompt)  # no duplicates inside the split either
+      out.append(example)
+      if len(out) == count:
+        return out
     raise ValueError(
         f"task {self.TASK!r} with knobs {cfg.knobs} has too few distinct prompts: found only "
-        f"{emitted} held-out prompts for num_test={cfg.num_test}; make the task harder "
-        "or lower num_test")
+        f"{len(out)} {split} prompts for num_{split}={count} (they must differ from the "
+        f"train{' and test' if split == 'rl' else ''} prompts); make the task harder or lower "
+        f"num_{split}")
 
 
 def _record(example: tasks_lib.Example) -> dict[str, str]:
@@ -114,13 +127,14 @@ BUILDERS = {"math": BebopMath, "code": BebopCode, "agentic": BebopAgentic}
 
 
 def prepare(task_name: str, knobs: dict[str, Any], *, data_dir: str, num_train: int,
-            num_test: int, seed: int = 0) -> tfds.core.DatasetBuilder:
+            num_test: int, num_rl: int, seed: int = 0) -> tfds.core.DatasetBuilder:
   """Builds the task's dataset into `data_dir` unless it is there already; returns the builder."""
   if task_name not in BUILDERS:
     raise ValueError(f"unknown task {task_name!r}; allowed: {', '.join(BUILDERS)}")
   tasks_lib.get_task(task_name, **knobs)  # bad knobs fail here, before any work
   data_dir = os.path.expanduser(data_dir)
-  config = _TaskBuilderConfig(num_train=num_train, num_test=num_test, seed=seed, knobs=knobs)
+  config = _TaskBuilderConfig(num_train=num_train, num_test=num_test, num_rl=num_rl, seed=seed,
+                              knobs=knobs)
   builder = BUILDERS[task_name](data_dir=data_dir, config=config, file_format="array_record")
   if not builder.is_prepared():
     tfds.disable_progress_bar()

@@ -8,8 +8,8 @@ SFT batch (every array [batch_size, seq_len]):
                       0 on bos, prompt, tool results (RESULT_START..RESULT_END inclusive)
                       and padding. Predicting token t from position t-1 is the trainer's job.
 
-RL prompt batch (batch dimension prompts_per_batch * group_size, each prompt repeated
-group_size times in consecutive rows):
+RL prompt batch, from the `rl` split (prompts in neither train nor test; batch dimension
+prompts_per_batch * group_size, each prompt repeated group_size times in consecutive rows):
   prompt_tokens  int32 [B*G, max_prompt_len]  bos + prompt, right-padded with 0.
   prompt_lengths int32 [B*G]
   task_ids       int32 [B*G]  index into TASK_NAMES.
@@ -65,7 +65,8 @@ def task_source(data_cfg: Mapping[str, Any], task_name: str, split: str):
   task_cfg = data_cfg["tasks"][task_name]
   builder = builders.prepare(
       task_name, dict(task_cfg["knobs"]), data_dir=data_cfg["data_dir"],
-      num_train=data_cfg["num_train"], num_test=data_cfg["num_test"], seed=data_cfg["seed"])
+      num_train=data_cfg["num_train"], num_test=data_cfg["num_test"],
+      num_rl=data_cfg["num_rl"], seed=data_cfg["seed"])
   return builder.as_data_source()[split]
 
 
@@ -126,7 +127,7 @@ def _pad_example(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarra
 
 def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
                       group_size: int, max_prompt_len: int, seed: int = 0,
-                      split: str = "train", repeat: bool = True) -> grain.IterDataset:
+                      split: str = "rl", repeat: bool = True) -> grain.IterDataset:
   """Batches of prompts, each repeated `group_size` times (see module docstring)."""
   tok = get_tokenizer()
 
