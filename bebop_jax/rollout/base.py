@@ -145,13 +145,6 @@ class Rollouts:
       out.append((tokens, mask))
     return out
 
-  def select(self, rows: Sequence[int]) -> "Rollouts":
-    """The given rows, in that order."""
-    rows = np.asarray(rows, np.int64)
-    return dataclasses.replace(self, **{
-        f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
-        if isinstance(getattr(self, f.name), np.ndarray)})
-
   @staticmethod
   def concatenate(parts: Sequence["Rollouts"]) -> "Rollouts":
     """Rows of every part, in order (prompts re-padded to the longest; one policy version

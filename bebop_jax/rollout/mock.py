@@ -31,14 +31,12 @@ class MockEngine(base.RolloutEngine):
     self.tasks, self.completion_fn, self.settings = dict(tasks), completion_fn, settings
     self.logprob, self.entropy = logprob, entropy
     self.params = None
-    self.calls = 0
 
   def update_params(self, params, policy_version: int) -> None:
     self.params, self.policy_version = params, policy_version
 
   def generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array) -> base.Rollouts:
     start = time.perf_counter()
-    self.calls += 1
     tok = get_tokenizer()
     seed = int(jax.random.randint(rng, (), 0, 2 ** 30))
     n_max = self.settings.max_new_tokens
