@@ -140,3 +140,32 @@ def test_rl_split_is_disjoint_from_train_and_test(tiny_data_config):
   for raw in batch["example_json"]:  # the RL prompt stream reads the rl split
     ex = Example.from_json(raw)
     assert ex.prompt in rl_prompts[ex.task]
+
+
+def test_sft_samples_a_fresh_demonstration_at_every_visit(tiny_data_config):
+  """With diversity, the same examples come back with other solution paths in later
+  epochs; the stream is still a function of the seed."""
+  config = tiny_data_config.copy_and_resolve_references()
+  for name in TASK_NAMES:
+    config.tasks[name].weight = 1.0 if name == "math" else 0.0
+  config.tasks.math.knobs.diversity = 0.8
+  tok = get_tokenizer()
+
+  def texts(seed, batches):
+    it = iter(pipeline.sft_dataset(config, batch_size=4, seq_len=64, packing=False,
+                                   seed=seed))
+    return [tok.decode(row, strip_pad=True) for _ in range(batches)
+            for row in next(it)["tokens"]]
+
+  stream = texts(0, 3 * config.num_train // 4)  # three epochs of the math examples
+  assert stream == texts(0, 3 * config.num_train // 4)
+  by_prompt = {}
+  for text in stream:
+    prompt, _, demo = text.partition("\n")
+    by_prompt.setdefault(prompt, set()).add(demo)
+  assert sum(len(d) > 1 for d in by_prompt.values()) > len(by_prompt) // 2
+  for text in stream:  # every sampled path ends with the right answer
+    body = text.removeprefix("<|bos|>").removesuffix("<|eos|>")
+    prompt, _, demo = body.partition("\n")
+    value = eval(prompt.removeprefix("Compute: "), {"__builtins__": {}})  # pylint: disable=eval-used
+    assert demo.endswith(f"<|answer|>{value}")

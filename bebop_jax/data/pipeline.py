@@ -1,7 +1,8 @@
 """Grain pipelines: SFT batches and RL prompt batches over the task datasets.
 
 SFT batch (every array [batch_size, seq_len]):
-  tokens       int32  bos, prompt, demonstration, eos; 0 (pad) past the end.
+  tokens       int32  bos, prompt, demonstration (a fresh sample of the task's solution paths
+                      at every visit), eos; 0 (pad) past the end.
   segment_ids  int32  1, 2, ... per packed example; 0 on padding.
   positions    int32  position inside the example (restarts at 0 per segment).
   loss_mask    int32  1 where the token is a training target: demonstration tokens and eos;
@@ -29,7 +30,7 @@ import numpy as np
 
 from bebop_jax.data import builders
 from bebop_jax.data.tokenizer import Tokenizer, get_tokenizer
-from bebop_jax.tasks import TASK_NAMES, Example
+from bebop_jax.tasks import TASK_NAMES, Example, get_task
 
 _SFT_KEYS = ("tokens", "loss_mask")
 
@@ -60,11 +61,17 @@ def tool_result_mask(tokens: np.ndarray, tokenizer: Tokenizer | None = None) -> 
   return (opens > closes) | (tokens == tok.result_end_id)
 
 
+# Knobs that change how demonstrations are sampled for SFT, not the stored examples: left out
+# of the dataset's identity, so changing them reuses the prepared data.
+_SAMPLING_KNOBS = ("diversity",)
+
+
 def task_source(data_cfg: Mapping[str, Any], task_name: str, split: str):
   """The array-record source of one task's split, preparing the dataset on first use."""
   task_cfg = data_cfg["tasks"][task_name]
+  knobs = {k: v for k, v in dict(task_cfg["knobs"]).items() if k not in _SAMPLING_KNOBS}
   builder = builders.prepare(
-      task_name, dict(task_cfg["knobs"]), data_dir=data_cfg["data_dir"],
+      task_name, knobs, data_dir=data_cfg["data_dir"],
       num_train=data_cfg["num_train"], num_test=data_cfg["num_test"],
       num_rl=data_cfg["num_rl"], seed=data_cfg["seed"])
   return builder.as_data_source()[split]
@@ -94,12 +101,25 @@ def _as_str(value: Any) -> str:
 def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
                 packing: bool = True, seed: int = 0, split: str = "train"
                 ) -> grain.IterDataset:
-  """Endless SFT batches (see module docstring); demonstrations longer than seq_len dropped."""
-  def featurize(record):
-    return sft_features(_as_str(record["prompt"]), _as_str(record["demonstration"]))
+  """Endless SFT batches (see module docstring); demonstrations longer than seq_len dropped.
+
+  Every visit of an example samples a fresh demonstration, `task.demonstration(example,
+  key)` with a key derived from `seed` and the visit's position in the stream (so the
+  stream is deterministic and resumable); with diversity 0 it is the canonical one.
+  """
+  tasks = {name: get_task(name, **dict(data_cfg["tasks"][name]["knobs"]))
+           for name in TASK_NAMES if data_cfg["tasks"][name]["weight"] > 0}
+
+  def featurize(index, record):
+    task = tasks[_as_str(record["task"])]
+    demonstration = _as_str(record["demonstration"])
+    if getattr(task, "diversity", 0) > 0:
+      example = Example.from_json(_as_str(record["example_json"]))
+      demonstration = task.demonstration(example, (seed << 40) + index)
+    return sft_features(_as_str(record["prompt"]), demonstration)
 
   ds = (_mixture(data_cfg, split, seed, repeat=True)
-        .map(featurize)
+        .map_with_index(featurize)
         .filter(lambda ex: len(ex["tokens"]) <= seq_len)
         .to_iter_dataset())
   if packing:

@@ -440,6 +440,15 @@ def make_world(rng: random.Random, num_entities: int) -> World:
   return world
 
 
+def demonstration_calls(transcript: str) -> list[str]:
+  """The bodies of the calls of a transcript, in order."""
+  calls, rest = [], transcript
+  while (body := find_first_call(rest)) is not None:
+    calls.append(body)
+    rest = rest[rest.find(CALL_END, rest.find(CALL_START)) + len(CALL_END):]
+  return calls
+
+
 def _transcript(world: World, calls: Sequence[str], answer: str) -> str:
   """Returns the demonstration: each call with its real result, then the answer."""
   parts = [format_call(call) + format_result(run_tool(world, call)) for call in calls]
@@ -455,6 +464,10 @@ class AgenticTask(Task):
     ops: aggregate operators, from OPS ("plus", "minus", "times").
     use_calc: whether aggregate demonstrations call calc (else the policy adds itself).
     max_turns: most policy turns per episode, the answering turn included.
+    diversity: how often `demonstration` leaves the canonical path (0 = never): the two
+      look-ups of an aggregate question in either order, `calc(b+a)` for `calc(a+b)`, an
+      optional confirmation look-up (any attribute of an entity already looked up) when
+      the turn budget allows.
   """
 
   name = "agentic"
@@ -463,7 +476,8 @@ class AgenticTask(Task):
                kinds: Sequence[str] = KINDS,
                ops: Sequence[str] = ("plus",),
                use_calc: bool = True,
-               max_turns: int = 5):
+               max_turns: int = 5,
+               diversity: float = 0.0):
     kinds, ops = tuple(kinds), tuple(ops)
     if not 2 <= num_entities <= MAX_ENTITIES:
       raise ValueError(f"num_entities must be in [2, {MAX_ENTITIES}], got {num_entities}")
@@ -474,6 +488,9 @@ class AgenticTask(Task):
     needed = max(self._turns_needed(kind, use_calc) for kind in kinds)
     if max_turns < needed:
       raise ValueError(f"max_turns={max_turns} < {needed} turns the demonstrations need")
+    if not 0.0 <= diversity <= 1.0:
+      raise ValueError(f"diversity must be in [0, 1], got {diversity}")
+    self.diversity = diversity
     self.num_entities = num_entities
     self.kinds = kinds
     self.ops = ops
@@ -535,6 +552,28 @@ class AgenticTask(Task):
     if self.use_calc:
       calls.append(f"calc({expr})")
     return prompt, calls, str(evaluate_expression(expr))
+
+  def demonstration(self, example: Example, seed: int) -> str:
+    """One valid transcript of `example` (the canonical one with diversity 0); the results
+    are the world's, so the environment replays it exactly."""
+    if self.diversity <= 0:
+      return example.demonstration
+    rng = random.Random(f"agentic-demo/{seed}")
+    calls = demonstration_calls(example.demonstration)
+    gets = [c for c in calls if c.startswith("get(")]
+    if example.meta.get("kind") == "aggregate" and rng.random() < self.diversity:
+      calls[0], calls[1] = calls[1], calls[0]
+    if calls[-1].startswith("calc(") and rng.random() < self.diversity:
+      body = calls[-1][len("calc("):-1]
+      for op in ("+", "*"):
+        if body.count(op) == 1 and "-" not in body:
+          left, right = body.split(op)
+          calls[-1] = f"calc({right}{op}{left})"
+    if len(calls) + 2 <= self.max_turns and rng.random() < self.diversity / 2:
+      at = rng.randint(1, len(gets))  # after a look-up: one more of an entity seen so far
+      entity = calls[rng.randrange(at)][len("get("):].split(",")[0]
+      calls.insert(at, f"get({entity},{rng.choice(ATTRIBUTES)})")
+    return _transcript(example.meta["world"], calls, example.meta["answer"])
 
   def reward(self, example: Example, completion: Any) -> float:
     """Returns 1.0 iff the final answer of the transcript equals the expected one, else 0.0.

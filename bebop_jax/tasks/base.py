@@ -152,6 +152,13 @@ class Task(abc.ABC):
   def reward(self, example: Example, completion: str) -> float:
     """Score in [0, 1] of a completion (text after the prompt). Never raises."""
 
+  def demonstration(self, example: Example, seed: int) -> str:
+    """One valid solution path of `example`, deterministic in `seed`; every path gets
+    reward 1. The canonical `example.demonstration` unless the task has a `diversity` > 0
+    (then SFT sees a policy with real entropy: mostly forced tokens, some forks)."""
+    del seed
+    return example.demonstration
+
   @property
   def multi_turn(self) -> bool:
     return False

@@ -7,8 +7,12 @@ its input -> output pairs, and the reward runs the policy's program on held-out 
 Prompt:         `[3,1,2] -> [2,4,6]\n[5,0,7] -> [0,10,14]\n[1,1,4] -> [2,2,8]\nprogram:\n`
 Demonstration:  `[3,1,2] map(x*2) -> [6,2,4] | sort -> [2,4,6]\n<|answer|>map(x*2) | sort`
 
-The demonstration traces the program stage by stage on the first shown example, then gives
-the canonical program text after ANSWER_MARKER (no EOS_MARKER). The reward is the fraction
+The canonical demonstration traces the program stage by stage on the first shown example,
+then gives the canonical program text after ANSWER_MARKER (no EOS_MARKER).
+`task.demonstration(example, seed)` samples other valid paths with probability `diversity`:
+an equivalent program (commuted `+`, `*`, `and`, `or` and comparisons, `x*2` as `x+x`,
+`x>t` as `x>=t+1`, commuting stages such as filter and sort swapped), checked to give the
+same outputs on every shown and held-out input, and a trace of another shown example. The reward is the fraction
 of held-out cases (`meta["tests"]`) on which the answer's program returns exactly the
 expected output; 0.0 without an answer or if it does not parse. Reward work is bounded by
 design: the answer is at most MAX_ANSWER_CHARS, each run at most code_lang.MAX_STEPS steps,
@@ -108,6 +112,7 @@ class CodeTask(base.Task):
     max_attempts: programs tried per sample; the first half must be informative (every
       stage changes some shown output, shown outputs not all equal, held-out outputs not
       all equal), the rest need only run.
+    diversity: how often `demonstration` leaves the canonical path (0 = never).
   """
   min_stages: int = 1
   max_stages: int = 1
@@ -120,6 +125,7 @@ class CodeTask(base.Task):
   max_const: int = 5
   stage_kinds: tuple[str, ...] = DEFAULT_STAGE_KINDS
   max_attempts: int = 200
+  diversity: float = 0.0
 
   name = "code"
 
@@ -138,6 +144,7 @@ class CodeTask(base.Task):
         (bool(self.stage_kinds) and set(self.stage_kinds) <= set(ALL_STAGE_KINDS),
          f"stage_kinds must be a non-empty subset of {ALL_STAGE_KINDS}"),
         (self.max_attempts >= 2, "max_attempts must be >= 2"),
+        (0.0 <= self.diversity <= 1.0, "diversity must be in [0, 1]"),
     )
     for ok, message in checks:
       if not ok:
@@ -162,6 +169,22 @@ class CodeTask(base.Task):
       return score_program(base.extract_final_answer(completion), example.meta["tests"])
     except Exception:  # pylint: disable=broad-except  # defensive: never raise
       return 0.0
+
+  def demonstration(self, example: base.Example, seed: int) -> str:
+    """One valid solution path of `example` (the canonical one with diversity 0)."""
+    if self.diversity <= 0:
+      return example.demonstration
+    rng = random.Random(f"code-demo/{seed}")
+    program = lang.parse_program(example.meta["program"])
+    shown, tests = example.meta["shown"], example.meta["tests"]
+    if rng.random() < self.diversity:
+      variant = lang.parse_program(lang.format_program(equivalent_program(program, rng)))
+      inputs = [case["input"] for case in list(shown) + list(tests)]
+      if _outputs(variant, inputs) == _outputs(program, inputs):
+        program = variant
+    first = rng.randrange(len(shown)) if rng.random() < self.diversity else 0
+    return (trace_text(program, shown[first]["input"]) + "\n" + base.ANSWER_MARKER +
+            lang.format_program(program))
 
   # Generation.
 
@@ -317,3 +340,58 @@ def _informative(program: lang.Program, cases: list[dict[str, Any]]) -> bool:
     if _outputs(reduced, inputs) == outputs:
       return False
   return True
+
+
+# Equivalent programs (demonstration variants).
+
+_FLIPPED = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "==": "==", "!=": "!="}
+_COMMUTING = ((lang.Filter, lang.Sort), (lang.Filter, lang.Rev))
+
+
+def equivalent_expr(node: lang.Expr, rng: random.Random) -> lang.Expr:
+  """A randomly rewritten expression with the same value for every integer x and a."""
+  if isinstance(node, BinOp):
+    left, right = equivalent_expr(node.left, rng), equivalent_expr(node.right, rng)
+    if node.op == "*" and right == Num(2) and rng.random() < 0.4:
+      return BinOp("+", left, left)
+    if node.op in ("+", "*") and rng.random() < 0.5:
+      left, right = right, left
+    return BinOp(node.op, left, right)
+  if isinstance(node, Compare):
+    left, right = equivalent_expr(node.left, rng), equivalent_expr(node.right, rng)
+    op = node.op
+    if isinstance(right, Num) and op in (">", "<") and rng.random() < 0.3:
+      op, right = (">=", Num(right.value + 1)) if op == ">" else ("<=", Num(right.value - 1))
+      if right.value < 0:
+        right = lang.Neg(Num(-right.value))
+    if rng.random() < 0.5:
+      return Compare(_FLIPPED[op], right, left)
+    return Compare(op, left, right)
+  if isinstance(node, BoolOp):
+    left, right = equivalent_expr(node.left, rng), equivalent_expr(node.right, rng)
+    return BoolOp(node.op, right, left) if rng.random() < 0.5 else BoolOp(node.op, left, right)
+  if isinstance(node, lang.Neg):
+    return lang.Neg(equivalent_expr(node.operand, rng))
+  if isinstance(node, lang.Until):
+    return lang.Until(equivalent_expr(node.cond, rng), equivalent_expr(node.body, rng))
+  return node
+
+
+def equivalent_program(program: lang.Program, rng: random.Random) -> lang.Program:
+  """A randomly rewritten program: equivalent expressions in every stage and, at random,
+  adjacent commuting stages swapped (filter with sort or rev). The caller checks the
+  outputs (CodeTask.demonstration)."""
+  stages = []
+  for stage in program.stages:
+    if isinstance(stage, lang.Map):
+      stage = lang.Map(equivalent_expr(stage.expr, rng))
+    elif isinstance(stage, lang.Filter):
+      stage = lang.Filter(equivalent_expr(stage.cond, rng))
+    elif isinstance(stage, lang.Fold):
+      stage = lang.Fold(stage.init, equivalent_expr(stage.step, rng))
+    stages.append(stage)
+  for i in range(len(stages) - 1):
+    pair = (type(stages[i]), type(stages[i + 1]))
+    if (pair in _COMMUTING or pair[::-1] in _COMMUTING) and rng.random() < 0.5:
+      stages[i], stages[i + 1] = stages[i + 1], stages[i]
+  return lang.Program(tuple(stages))

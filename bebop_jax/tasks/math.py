@@ -3,9 +3,15 @@
 Prompt:         `Compute: (3+5)*2-7\n`
 Demonstration:  `=8*2-7\n=16-7\n=9\n<|answer|>9`
 
-Each line of the demonstration reduces exactly one operation: the first innermost
-parenthesised group is reduced first, inside it `*` before `+`/`-`, left to right. The reward
-is 1 iff the final answer after the answer marker is exactly the value of the expression.
+Each line of the demonstration reduces exactly one operation. The canonical demonstration
+(`Example.demonstration`) reduces the first innermost parenthesised group first, inside it
+`*` before `+`/`-`, left to right. `task.demonstration(example, seed)` samples one of many
+valid solution paths: with probability `diversity` at each step it reduces any operation
+that precedence allows (any innermost group; a `*` between two numbers; a `+`/`-` whose
+neighbours are not `*` and which follows no `-`), and with probability `diversity / 2` each
+it restates the expression first (commuting the operands of such operations at random) and
+writes spaces around the operators. The reward is 1 iff the final answer after the answer
+marker is exactly the value of the expression, whatever the path.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ class MathTask(base.Task):
     max_value: operands are drawn uniformly from [0, max_value].
     operators: the binary operators to draw from, a subset of "+-*".
     paren_prob: probability of wrapping each composite sub-expression in parentheses.
+    diversity: how often `demonstration` leaves the canonical path (0 = never; see the
+      module docstring).
   """
   min_operands: int = 2
   max_operands: int = 3
   max_value: int = 6
   operators: str = "+-*"
   paren_prob: float = 0.4
+  diversity: float = 0.0
 
   name = "math"
 
@@ -48,6 +57,8 @@ class MathTask(base.Task):
                        f"got {self.operators!r}")
     if not 0.0 <= self.paren_prob <= 1.0:
       raise ValueError(f"math: paren_prob must be in [0, 1], got {self.paren_prob}")
+    if not 0.0 <= self.diversity <= 1.0:
+      raise ValueError(f"math: diversity must be in [0, 1], got {self.diversity}")
 
   def sample(self, seed: int) -> base.Example:
     rng = random.Random(f"math/{seed}")
@@ -62,6 +73,28 @@ class MathTask(base.Task):
         prompt=f"Compute: {render(tokens)}\n",
         demonstration=demonstration,
         meta={"expression": render(tokens), "answer": answer})
+
+  def demonstration(self, example: base.Example, seed: int) -> str:
+    """One valid solution path of `example` (the canonical one with diversity 0)."""
+    if self.diversity <= 0:
+      return example.demonstration
+    rng = random.Random(f"math-demo/{seed}")
+    tokens = parse_tokens(example.meta["expression"])
+    lines = []
+    if rng.random() < self.diversity / 2:  # restate, commuting operands at random
+      for j in reducible_ops(tokens):
+        if tokens[j] in "+*" and rng.random() < 0.5:
+          tokens = tokens[:j - 1] + [tokens[j + 1], tokens[j], tokens[j - 1]] + tokens[j + 2:]
+      lines.append(tokens)
+    while len(tokens) > 1:
+      if rng.random() < self.diversity:
+        tokens = reduce_at(tokens, rng.choice(reducible_ops(tokens)))
+      else:
+        tokens = _reduce_once(tokens)
+      lines.append(tokens)
+    spaced = rng.random() < self.diversity / 2
+    text = "\n".join("=" + render(line, spaced) for line in lines)
+    return text + "\n" + base.ANSWER_MARKER + str(example.meta["answer"])
 
   def reward(self, example: base.Example, completion: str) -> float:
     try:
@@ -82,9 +115,60 @@ class MathTask(base.Task):
     return tokens
 
 
-def render(tokens: list[_Token]) -> str:
-  """The text of a token list, e.g. [8, "*", 2] -> "8*2" (negative ints keep their sign)."""
+def render(tokens: list[_Token], spaced: bool = False) -> str:
+  """The text of a token list, e.g. [8, "*", 2] -> "8*2", or "8 * 2" spaced (negative ints
+  keep their sign)."""
+  if spaced:
+    return "".join(f" {t} " if t in ("+", "-", "*") else str(t) for t in tokens)
   return "".join(str(t) for t in tokens)
+
+
+def parse_tokens(text: str) -> list[_Token]:
+  """The token list of an expression text (inverse of `render`; '-' after an operator, '('
+  or at the start is a sign)."""
+  tokens: list[_Token] = []
+  i = 0
+  text = text.replace(" ", "")
+  while i < len(text):
+    ch = text[i]
+    signed = ch == "-" and (not tokens or tokens[-1] in ("+", "-", "*", "("))
+    if ch.isdigit() or signed:
+      j = i + 1
+      while j < len(text) and text[j].isdigit():
+        j += 1
+      tokens.append(int(text[i:j]))
+      i = j
+    else:
+      tokens.append(ch)
+      i += 1
+  return tokens
+
+
+def reducible_ops(tokens: list[_Token]) -> list[int]:
+  """Indices of the operators precedence allows to reduce next: both operands are numbers;
+  a `*` always; a `+`/`-` when neither neighbouring operator is `*` and the one before it
+  is not `-` (left-to-right subtraction)."""
+  out = []
+  for j in range(1, len(tokens) - 1):
+    op = tokens[j]
+    if op not in ("+", "-", "*") or not (isinstance(tokens[j - 1], int) and
+                                         isinstance(tokens[j + 1], int)):
+      continue
+    before = tokens[j - 2] if j >= 2 else None
+    after = tokens[j + 2] if j + 2 < len(tokens) else None
+    if op == "*" or (before not in ("*", "-") and after != "*"):
+      out.append(j)
+  return out
+
+
+def reduce_at(tokens: list[_Token], j: int) -> list[_Token]:
+  """Performs the operation at index j; a group left holding one number loses its
+  parentheses."""
+  value = _apply(tokens[j - 1], tokens[j], tokens[j + 1])
+  out = tokens[:j - 1] + [value] + tokens[j + 2:]
+  if j >= 2 and out[j - 2] == "(" and j < len(out) and out[j] == ")":
+    out = out[:j - 2] + [value] + out[j + 1:]
+  return out
 
 
 def _apply(a: int, op: str, b: int) -> int:
