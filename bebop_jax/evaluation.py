@@ -61,3 +61,22 @@ def evaluate_tasks(engines: Mapping[float, RolloutEngine],
     for name, value in pass_at_1(rollouts_by_task(engine, examples, seed=seed)).items():
       results[f"{name}/t{temperature:g}"] = value
   return results
+
+
+ENTROPY_THRESHOLD = 0.5           # nats: a position above it is a fork
+ENTROPY_BIN_EDGES = tuple(np.round(np.linspace(0.0, 3.0, 31), 3).tolist())  # nats
+
+
+def entropy_stats(rollouts: Mapping[str, Rollouts]) -> dict[str, dict]:
+  """Per task: the policy's per-token entropy over the sampled tokens of `rollouts`: mean,
+  the fraction of positions above ENTROPY_THRESHOLD, a histogram over ENTROPY_BIN_EDGES
+  (the last bin takes everything above), and the number of positions."""
+  out = {}
+  for name, r in rollouts.items():
+    ent = r.entropy[r.policy_mask]
+    counts, _ = np.histogram(np.minimum(ent, ENTROPY_BIN_EDGES[-1]), bins=ENTROPY_BIN_EDGES)
+    out[name] = {"mean": float(ent.mean()) if ent.size else 0.0,
+                 "above_threshold": float((ent > ENTROPY_THRESHOLD).mean()) if ent.size
+                 else 0.0,
+                 "histogram": counts.tolist(), "positions": int(ent.size)}
+  return out

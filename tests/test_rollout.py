@@ -213,3 +213,17 @@ def test_mock_engine_scores_scripted_completions():
   assert r.policy_mask.sum() == r.lengths.sum() and (r.logprobs[r.policy_mask] == -1).all()
   seqs = r.sequences()
   assert len(seqs) == 4 and all(m.sum() == n for (_, m), n in zip(seqs, r.lengths))
+
+
+def test_entropy_stats_from_their_definition():
+  from bebop_jax import evaluation  # pylint: disable=g-import-not-at-top
+  r = rollout.MockEngine({"math": CharTask()}, lambda ex, row, seed: "ab" * (row + 1),
+                         entropy=0.75).generate([CharTask().sample(i) for i in range(3)],
+                                               jax.random.key(0))
+  r.entropy[0, 0] = 0.2  # one position below the threshold
+  stats = evaluation.entropy_stats({"math": r})["math"]
+  ent = r.entropy[r.policy_mask]
+  assert stats["positions"] == len(ent) == 2 + 4 + 6 + 3  # + an eos each
+  np.testing.assert_allclose(stats["mean"], ent.mean())
+  np.testing.assert_allclose(stats["above_threshold"], (len(ent) - 1) / len(ent))
+  assert stats["histogram"][2] == 1 and stats["histogram"][7] == len(ent) - 1  # 0.1-wide bins

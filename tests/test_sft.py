@@ -49,6 +49,11 @@ def test_straight_run_outputs(straight_run):
   assert summary["complete"] and summary["steps"] == 6
   assert set(summary["eval"]) >= {"math/t0", "code/t0", "agentic/t0", "pass_at_1_mean"}
   assert summary["model_flops_per_s"] > 0 and 0 < summary["flops_utilization"] < 1
+  from bebop_jax import evaluation  # pylint: disable=g-import-not-at-top
+  for stats in summary["entropy"].values():  # the policy's entropy on held-out rollouts
+    assert stats["positions"] > 0 and sum(stats["histogram"]) == stats["positions"]
+    assert len(stats["histogram"]) == len(evaluation.ENTROPY_BIN_EDGES) - 1
+    assert 0 < stats["mean"] < 5 and 0 <= stats["above_threshold"] <= 1
   assert json.load(open(os.path.join(workdir, "sft", "summary.json")))["steps"] == 6
   assert os.listdir(os.path.join(workdir, "tb", "sft"))
   assert [s for s, _ in _losses(workdir)] == [1, 2, 3, 4, 5, 6]

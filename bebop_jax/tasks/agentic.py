@@ -467,7 +467,7 @@ class AgenticTask(Task):
     diversity: how often `demonstration` leaves the canonical path (0 = never): the two
       look-ups of an aggregate question in either order, `calc(b+a)` for `calc(a+b)`, an
       optional confirmation look-up (any attribute of an entity already looked up) when
-      the turn budget allows.
+      the turn budget allows, spaced call arguments (`get(a, b)`, `calc(1 + 2)`).
   """
 
   name = "agentic"
@@ -573,6 +573,8 @@ class AgenticTask(Task):
       at = rng.randint(1, len(gets))  # after a look-up: one more of an entity seen so far
       entity = calls[rng.randrange(at)][len("get("):].split(",")[0]
       calls.insert(at, f"get({entity},{rng.choice(ATTRIBUTES)})")
+    calls = [c.replace(",", ", ").replace("+", " + ").replace("*", " * ").replace("-", " - ")
+             if rng.random() < self.diversity / 2 else c for c in calls]  # spaced arguments
     return _transcript(example.meta["world"], calls, example.meta["answer"])
 
   def reward(self, example: Example, completion: Any) -> float:

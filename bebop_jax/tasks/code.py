@@ -12,7 +12,8 @@ then gives the canonical program text after ANSWER_MARKER (no EOS_MARKER).
 `task.demonstration(example, seed)` samples other valid paths with probability `diversity`:
 an equivalent program (commuted `+`, `*`, `and`, `or` and comparisons, `x*2` as `x+x`,
 `x>t` as `x>=t+1`, commuting stages such as filter and sort swapped), checked to give the
-same outputs on every shown and held-out input, and a trace of another shown example. The reward is the fraction
+same outputs on every shown and held-out input, a trace of another shown example, and
+list separators in the trace written ", " (each with probability `diversity / 2`). The reward is the fraction
 of held-out cases (`meta["tests"]`) on which the answer's program returns exactly the
 expected output; 0.0 without an answer or if it does not parse. Reward work is bounded by
 design: the answer is at most MAX_ANSWER_CHARS, each run at most code_lang.MAX_STEPS steps,
@@ -81,15 +82,27 @@ def score_program(answer: str | None, tests: Sequence[dict[str, Any]]) -> float:
     return 0.0
 
 
-def trace_text(program: lang.Program, inputs: list[int]) -> str:
-  """Returns the stage-by-stage trace, e.g. `[3,1,2] map(x*2) -> [6,2,4] | sort -> [2,4,6]`.
+def trace_text(program: lang.Program, inputs: list[int],
+               value_format: Callable[[Any], str] = lang.format_value) -> str:
+  """Returns the stage-by-stage trace, e.g. `[3,1,2] map(x*2) -> [6,2,4] | sort -> [2,4,6]`
+  (values written by `value_format`).
 
   Stops after a failing stage (not expected for generated examples).
   """
   result = lang.run_program(program, inputs, record_trace=True)
-  parts = [f"{lang.format_stage(stage)} -> {lang.format_value(value)}"
+  parts = [f"{lang.format_stage(stage)} -> {value_format(value)}"
            for stage, value in zip(program.stages, result.trace)]
-  return lang.format_value(inputs) + " " + " | ".join(parts)
+  return value_format(inputs) + " " + " | ".join(parts)
+
+
+def _spaced_values(rng: random.Random, p: float) -> Callable[[Any], str]:
+  """A value formatter that writes each list separator as ", " with probability p."""
+  def fmt(value: Any) -> str:
+    if not isinstance(value, list):
+      return lang.format_value(value)
+    return "[" + "".join((("," + " " * (rng.random() < p)) if i else "") + str(v)
+                         for i, v in enumerate(value)) + "]"
+  return fmt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +196,8 @@ class CodeTask(base.Task):
       if _outputs(variant, inputs) == _outputs(program, inputs):
         program = variant
     first = rng.randrange(len(shown)) if rng.random() < self.diversity else 0
-    return (trace_text(program, shown[first]["input"]) + "\n" + base.ANSWER_MARKER +
-            lang.format_program(program))
+    trace = trace_text(program, shown[first]["input"], _spaced_values(rng, self.diversity / 2))
+    return trace + "\n" + base.ANSWER_MARKER + lang.format_program(program)
 
   # Generation.
 

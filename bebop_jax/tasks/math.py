@@ -10,7 +10,7 @@ valid solution paths: with probability `diversity` at each step it reduces any o
 that precedence allows (any innermost group; a `*` between two numbers; a `+`/`-` whose
 neighbours are not `*` and which follows no `-`), and with probability `diversity / 2` each
 it restates the expression first (commuting the operands of such operations at random) and
-writes spaces around the operators. The reward is 1 iff the final answer after the answer
+writes spaces around each operator. The reward is 1 iff the final answer after the answer
 marker is exactly the value of the expression, whatever the path.
 """
 
@@ -92,8 +92,10 @@ class MathTask(base.Task):
       else:
         tokens = _reduce_once(tokens)
       lines.append(tokens)
-    spaced = rng.random() < self.diversity / 2
-    text = "\n".join("=" + render(line, spaced) for line in lines)
+    # Spacing, operator by operator: a fork at every operator.
+    text = "\n".join("=" + "".join(
+        f" {t} " if t in ("+", "-", "*") and rng.random() < self.diversity / 2 else str(t)
+        for t in line) for line in lines)
     return text + "\n" + base.ANSWER_MARKER + str(example.meta["answer"])
 
   def reward(self, example: base.Example, completion: str) -> float:
@@ -115,11 +117,8 @@ class MathTask(base.Task):
     return tokens
 
 
-def render(tokens: list[_Token], spaced: bool = False) -> str:
-  """The text of a token list, e.g. [8, "*", 2] -> "8*2", or "8 * 2" spaced (negative ints
-  keep their sign)."""
-  if spaced:
-    return "".join(f" {t} " if t in ("+", "-", "*") else str(t) for t in tokens)
+def render(tokens: list[_Token]) -> str:
+  """The text of a token list, e.g. [8, "*", 2] -> "8*2" (negative ints keep their sign)."""
   return "".join(str(t) for t in tokens)
 
 

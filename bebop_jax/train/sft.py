@@ -70,6 +70,19 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
   return eval_fn
 
 
+def policy_entropy(config: ml_collections.ConfigDict, graphdef, params) -> dict[str, dict]:
+  """The policy's per-token entropy at temperature 1 on held-out rollouts, per task
+  (evaluation.entropy_stats; autoregressive, eval.num_examples prompts per task)."""
+  d, e = config.data, config.eval
+  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
+  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
+  examples = {n: pipeline.eval_examples(d, n, e.num_examples) for n in names}
+  engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+      config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0))
+  return evaluation.entropy_stats(evaluation.rollouts_by_task(engine, examples,
+                                                              seed=config.seed + 3))
+
+
 def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
                 ) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, parameters) of the SFT policy saved in `workdir` (latest step by default),
@@ -152,6 +165,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary["matmul_flops_per_s"] = flops_lib.matmul_flops_per_second()
     summary["flops_utilization"] = summary["model_flops_per_s"] / summary["matmul_flops_per_s"]
   summary["num_params"] = policy_lib.num_params(nnx.state(model))
+  summary["entropy"] = policy_entropy(config, graphdef,
+                                      nnx.merge_state(state.trainable, state.frozen))
   metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
   print(f"[sft] done: {json.dumps(summary['eval'], sort_keys=True)}")
+  print("[sft] policy entropy at T=1 on held-out rollouts: " + ", ".join(
+      f"{n} mean {v['mean']:.3f} nats, {v['above_threshold']:.1%} of positions above "
+      f"{evaluation.ENTROPY_THRESHOLD}" for n, v in summary["entropy"].items()))
   return summary
