@@ -100,6 +100,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.mtp.temperature = 1.0          # rollouts are sampled, and distributions compared, at this
   c.mtp.init_from = ""             # workdir holding the SFT stage; "" = this workdir
   c.mtp.reinit = False             # re-initialise the MTP modules: learn the drafter from scratch
+  c.mtp.seed = 0                   # the drafter's initialisation (with reinit) and data order;
+                                   # the self-distilled rollouts stay the same
   c.mtp.batch_size = 16            # packed rows of data.seq_len per step
   c.mtp.eval_modes = ("rejection", "greedy_draft")
   c.mtp.eval_before = True         # also measure the SFT drafter, for comparison
@@ -318,6 +320,8 @@ def _validate_mtp(config: ml_collections.ConfigDict) -> None:
   allowed = ("rejection", "greedy_draft", "strict")
   if not modes or any(x not in allowed for x in modes):
     _fail("mtp.eval_modes", m.eval_modes, f"a non-empty tuple from {allowed}")
+  if not isinstance(m.seed, int) or m.seed < 0:
+    _fail("mtp.seed", m.seed, "must be an int >= 0")
   if not isinstance(m.reinit, bool):
     _fail("mtp.reinit", m.reinit, "must be True or False")
   if not isinstance(m.eval_before, bool):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bebop_jax import evaluation
 from bebop_jax.decoding import batching, benchmark, diagnostics, sampling
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.rl import stage as rl_stage
@@ -37,14 +38,18 @@ def read_summary(workdir: str) -> dict[str, Any] | None:
 
 
 def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-  """Least-squares y = intercept + slope * x, with r2."""
+  """Least-squares y = intercept + slope * x, with r2 and the slope's standard error
+  (`slope_se`; a 95% interval is about slope +- 2 slope_se)."""
   x, y = np.asarray(x, float), np.asarray(y, float)
   slope, intercept = np.polyfit(x, y, 1)
   resid = y - (intercept + slope * x)
   total = np.sum((y - y.mean()) ** 2)
+  spread = np.sum((x - x.mean()) ** 2)
+  se = (np.sqrt(np.sum(resid ** 2) / (len(x) - 2) / spread)
+        if len(x) > 2 and spread > 0 else float("nan"))
   return {"slope": float(slope), "intercept": float(intercept),
           "r2": float(1 - np.sum(resid ** 2) / total) if total > 0 else 0.0,
-          "points": int(len(x))}
+          "slope_se": float(se), "points": int(len(x))}
 
 
 def entropy_points(graphdef, params, sequences, *, temperatures, mode: str, batch_size=64,
@@ -102,7 +107,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       "eval": {"accuracy": after["online"][main_mode]["accuracy"],
                "accuracy_mode": main_mode, "temperature": m.temperature},
       "sft": {"accuracy": (sft_summary or {}).get("eval", {}),
-              "steps": (sft_summary or {}).get("steps")},
+              "steps": (sft_summary or {}).get("steps"),
+              "entropy": (sft_summary or {}).get("entropy", {})},
       "mtp": {"loss": mtp_summary["loss"],
               "acceptance_teacher_forced": after["teacher_forced"][main_mode]["alpha"],
               "acceptance_teacher_forced_by_mode": {
@@ -137,6 +143,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   return summary
 
 
+def rl_entropy_fit(r: dict) -> dict[str, dict[str, float]]:
+  """Per mode: depth-1 teacher-forced acceptance of each RL step's batch against the
+  policy's mean entropy on it, one point per logged step."""
+  fits = {}
+  for mode, rows in r["tf_acceptance_by_step"].items():
+    pts = [(e, a[0]) for e, a in zip(r["entropy_by_step"], rows) if a and a[0] is not None]
+    if len(pts) > 2:
+      fits[mode] = linear_fit(*np.array(pts).T)
+  return fits
+
+
 def rl_section(r: dict) -> dict:
   """summary.json's "rl": pass@1 before/after per task (with standard errors and the paired
   difference), steps, per-step online acceptance per depth (and teacher-forced per mode),
@@ -147,7 +164,9 @@ def rl_section(r: dict) -> dict:
           "tokens_per_target_forward_after", "logged_steps", "acceptance_by_step",
           "tf_acceptance_by_step", "reward_by_step", "entropy_by_step", "eval_by_step",
           "timing")
-  return {k: r[k] for k in keys}
+  out = {k: r[k] for k in keys}
+  out["entropy_fit"] = rl_entropy_fit(r)
+  return out
 
 
 def _compact(ev: dict | None, modes) -> dict | None:
@@ -245,6 +264,20 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   ax.set_ylabel("speedup vs autoregressive (wall clock)")
   ax.legend()
   paths["speedup_by_batch"] = save(fig, "speedup_by_batch")
+  if s["sft"]["entropy"]:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    edges = np.asarray(evaluation.ENTROPY_BIN_EDGES)
+    for task, st in s["sft"]["entropy"].items():
+      frac = np.asarray(st["histogram"], float) / max(st["positions"], 1)
+      ax.step(edges[:-1], frac, where="post",
+              label=f"{task}: mean {st['mean']:.2f}, {st['above_threshold']:.0%} > "
+                    f"{evaluation.ENTROPY_THRESHOLD}")
+    ax.set_yscale("log")
+    ax.set_xlabel("policy entropy at a sampled token (nats; last bin: above)")
+    ax.set_ylabel("fraction of positions")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    paths["entropy_histogram"] = save(fig, "entropy_histogram")
   if "rl" in s:
     paths.update(_rl_plots(s["rl"], save, plt))
   return paths
@@ -326,6 +359,12 @@ def _rl_report(r: dict, plots: dict[str, str]) -> list[str]:
     lines.append(f"| {mode} | {fmt(before)} | {fmt(r['acceptance_after'][mode])} | "
                  f"{r['tokens_per_target_forward_before'][mode]:.2f} -> "
                  f"{r['tokens_per_target_forward_after'][mode]:.2f} |")
+  if r.get("entropy_fit"):
+    lines += ["", "Depth-1 teacher-forced acceptance of each step's batch against the policy's "
+              "mean entropy on it (one point per step):", ""]
+    lines += [f"- {m}: acceptance = {f['intercept']:.3f} {f['slope']:+.3f} "
+              f"(+- {f['slope_se']:.3f}) x entropy, r2 {f['r2']:.2f}, {f['points']} steps"
+              for m, f in r["entropy_fit"].items()]
   lines += ["", f"Time: rollouts {t['rollout_s']:.0f} s, learner {t['learner_s']:.0f} s, "
             f"MTP updates {t['mtp_update_s']:.0f} s (rollout share {t['rollout_share']:.0%}); "
             f"the whole stage, evaluations included, {t['stage_s']:.0f} s.", ""]
@@ -389,7 +428,18 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
             "prefill, the same for both loops, is a large share of a short turn. "
             "`experiments/bench_decode.py` splits that per-call cost off.", "",
             f"![speedup](plots/{os.path.basename(plots['speedup_by_batch'])})", "",
-            "## Acceptance against policy entropy", ""]
+            ""]
+  if s["sft"]["entropy"]:
+    lines += ["## Policy entropy", "",
+              "Per-token entropy of the SFT policy at temperature 1 over the tokens it samples "
+              "on held-out prompts (autoregressive):", "",
+              f"| task | mean (nats) | positions above {evaluation.ENTROPY_THRESHOLD} nats | "
+              "positions |", "|---|---|---|---|"]
+    lines += [f"| {t} | {v['mean']:.3f} | {v['above_threshold']:.1%} | {v['positions']} |"
+              for t, v in s["sft"]["entropy"].items()]
+    lines += ["", f"![entropy histogram](plots/{os.path.basename(plots['entropy_histogram'])})",
+              ""]
+  lines += ["## Acceptance against policy entropy", ""]
   for mode, f in s["entropy_fit"].items():
     lines.append(f"- {mode}: acceptance = {f['intercept']:.3f} {f['slope']:+.3f} x entropy "
                  f"(nats), r2 {f['r2']:.2f}, {f['points']} positions")

@@ -13,7 +13,7 @@ def get_config(arg: str | None = None):
   del arg
   config = config_lib.load_file(os.path.join(os.path.dirname(__file__), "rl_tiny.py"))
   config.stages = ("sft", "mtp", "rl", "eval")
-  config.rl.train.num_steps = 2
+  config.rl.train.num_steps = 3  # > 2 points for the entropy fit across steps
   config.report.batch_sizes = (1, 8)
   config.report.num_prompts = 8
   config.report.repeats = 1

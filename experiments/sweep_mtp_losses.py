@@ -1,44 +1,41 @@
-r"""The MTP loss sweep: one MTP stage per entry of the config file's SWEEP, then a table.
+r"""The MTP loss sweep with seeds: one MTP stage per (start, loss, seed), then a table.
 
-  python experiments/sweep_mtp_losses.py --config=configs/mtp_small.py \
-      --workdir=runs/mtp_small
-  # warm start: each loss fine-tunes the quickstart's jointly trained MTP module
+  # warm start (each loss fine-tunes the jointly trained MTP module) and from scratch,
+  # 3 seeds each, from the quickstart's SFT stage:
   python experiments/sweep_mtp_losses.py --config=configs/quickstart.py \
-      --init_from=runs/quickstart --workdir=runs/sweep_quickstart
+      --init_from=runs/quickstart --starts=warm,scratch --seeds=3 --workdir=runs/sweep
 
-A config without SWEEP sweeps mtp.loss over all of bebop_jax.losses.mtp.LOSSES.
-Each run goes to <workdir>/<loss> and is skipped when complete (resumed when partial); every
-run starts from the same SFT checkpoint and trains on the same cached rollouts with the same
-budget. Writes <workdir>/sweep.json, <workdir>/sweep.md and <workdir>/plots/sweep.png: per
-loss, per-depth acceptance online (speculative decoding on held-out prompts) and
-teacher-forced, and tokens per target forward, in each evaluated mode; the SFT drafter (joint
-cross-entropy during SFT) is the first row.
+A config's SWEEP (a list of override dicts) names the losses; without one, mtp.loss goes over
+bebop_jax.losses.mtp.LOSSES. A seed (`mtp.seed`) changes the drafter's initialisation (from
+scratch) and the data order; every run starts from the same SFT checkpoint, trains on the
+same cached rollouts with the same budget and is evaluated on the same held-out prompts.
+Each run goes to <workdir>/<start>/<loss>/seed<k> and is skipped when complete (resumed when
+partial). Writes <workdir>/sweep.json (every run and the aggregates), sweep.md (mean and
+standard error over seeds of online acceptance per depth and tokens per target forward, in
+each evaluated mode, with the difference to `ce` and whether it exceeds two standard errors)
+and plots/sweep.png.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
+import numpy as np
 from absl import app, flags
 
 from bebop_jax import config as config_lib
 from bebop_jax import stages
 from bebop_jax.losses.mtp import LOSSES
 
-_CONFIG = flags.DEFINE_string("config", "configs/mtp_small.py", "Config file with SWEEP.")
+_CONFIG = flags.DEFINE_string("config", "configs/mtp_small.py", "Experiment config file.")
 _ARG = flags.DEFINE_string("config_arg", None, "Argument passed to get_config.")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/mtp_small", "Sweep directory.")
-_ONLY = flags.DEFINE_list("only", [], "Run only these losses (default: the whole SWEEP).")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/mtp_sweep", "Sweep directory.")
+_ONLY = flags.DEFINE_list("only", [], "Run only these losses (default: the whole sweep).")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "Override mtp.init_from (the SFT workdir).")
-
-
-def _load(path: str):
-  spec = importlib.util.spec_from_file_location("sweep_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+_SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per (start, loss).")
+_STARTS = flags.DEFINE_list("starts", ["config"], "warm (the SFT's jointly trained drafter), "
+                            "scratch (re-initialised), or config (as the config says).")
 
 
 def _set(config, key: str, value):
@@ -49,22 +46,50 @@ def _set(config, key: str, value):
   node[last] = value
 
 
-def _row(name: str, ev: dict, mode: str) -> dict:
-  online = ev["online"][mode]
-  return {"drafter": name, "mode": mode, "acceptance_online": online["acceptance"],
-          "acceptance_teacher_forced": ev["teacher_forced"][mode]["alpha"],
-          "tokens_per_target_forward": online["tokens_per_target_forward"],
-          "accuracy": online["accuracy"]}
+def _mean_se(values) -> tuple[np.ndarray, np.ndarray]:
+  v = np.asarray(values, float)
+  se = v.std(axis=0, ddof=1) / np.sqrt(len(v)) if len(v) > 1 else np.zeros(v.shape[1:])
+  return v.mean(axis=0), se
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+  """Rows (start, drafter, mode) with mean and standard error over seeds, and the
+  tokens-per-target-forward difference to ce of the same start and mode."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in runs:
+    groups.setdefault((r["start"], r["drafter"], r["mode"]), []).append(r)
+  rows = []
+  for (start, drafter, mode), rs in groups.items():
+    acc, acc_se = _mean_se([r["acceptance_online"] for r in rs])
+    tpf, tpf_se = _mean_se([[r["tokens_per_target_forward"]] for r in rs])
+    rows.append({"start": start, "drafter": drafter, "mode": mode, "seeds": len(rs),
+                 "acceptance_online": acc.tolist(), "acceptance_online_se": acc_se.tolist(),
+                 "tokens_per_target_forward": float(tpf[0]),
+                 "tokens_per_target_forward_se": float(tpf_se[0])})
+  for row in rows:
+    ce = next((r for r in rows if (r["start"], r["drafter"], r["mode"]) ==
+               (row["start"], "ce", row["mode"])), None)
+    if ce is not None and row["drafter"] != "ce":
+      diff = row["tokens_per_target_forward"] - ce["tokens_per_target_forward"]
+      se = float(np.hypot(row["tokens_per_target_forward_se"],
+                          ce["tokens_per_target_forward_se"]))
+      row["vs_ce"] = {"diff": diff, "se": se, "beyond_2se": bool(se > 0 and abs(diff) > 2 * se)}
+  return rows
 
 
 def table(rows: list[dict]) -> str:
-  fmt = lambda xs: "/".join(f"{x:.3f}" for x in xs)
-  lines = ["| drafter | mode | acceptance online | teacher-forced | tokens / target forward |",
-           "|---|---|---|---|---|"]
+  pm = lambda m, s: f"{m:.3f}±{s:.3f}"
+  lines = ["| start | drafter | mode | seeds | acceptance online per depth | tokens / target "
+           "forward | vs ce |", "|---|---|---|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['drafter']} | {r['mode']} | {fmt(r['acceptance_online'])} | "
-                 f"{fmt(r['acceptance_teacher_forced'])} | "
-                 f"{r['tokens_per_target_forward']:.2f} |")
+    acc = " / ".join(pm(m, s) for m, s in zip(r["acceptance_online"],
+                                               r["acceptance_online_se"]))
+    vs = r.get("vs_ce")
+    vs_text = (f"{vs['diff']:+.3f}±{vs['se']:.3f}{' (> 2 SE)' if vs['beyond_2se'] else ''}"
+               if vs else "")
+    lines.append(f"| {r['start']} | {r['drafter']} | {r['mode']} | {r['seeds']} | {acc} | "
+                 f"{pm(r['tokens_per_target_forward'], r['tokens_per_target_forward_se'])} | "
+                 f"{vs_text} |")
   return "\n".join(lines)
 
 
@@ -73,16 +98,22 @@ def plot(rows: list[dict], path: str, mode: str = "rejection"):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   rows = [r for r in rows if r["mode"] == mode]
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for r in rows:
-    depths = range(1, len(r["acceptance_online"]) + 1)
-    ax.plot(depths, r["acceptance_online"], marker="o",
-            label=f"{r['drafter']} ({r['tokens_per_target_forward']:.2f} tok/fwd)")
-  ax.set_xlabel("draft depth k")
-  ax.set_ylabel(f"online acceptance ({mode})")
-  ax.set_xticks(list(depths))
+  starts = sorted({r["start"] for r in rows})
+  drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+  fig, ax = plt.subplots(figsize=(7, 4))
+  width = 0.8 / max(len(starts), 1)
+  for i, start in enumerate(starts):
+    vals = [next((r for r in rows if r["start"] == start and r["drafter"] == d), None)
+            for d in drafters]
+    ax.bar(np.arange(len(drafters)) + i * width,
+           [v["tokens_per_target_forward"] if v else np.nan for v in vals], width,
+           yerr=[v["tokens_per_target_forward_se"] if v else 0 for v in vals], capsize=3,
+           label=start)
+  ax.set_xticks(np.arange(len(drafters)) + width * (len(starts) - 1) / 2)
+  ax.set_xticklabels(drafters)
+  ax.set_ylabel(f"tokens per target forward ({mode}; mean ± SE over seeds)")
   ax.legend()
-  ax.grid(alpha=0.3)
+  ax.grid(alpha=0.3, axis="y")
   fig.tight_layout()
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fig.savefig(path, dpi=120)
@@ -91,39 +122,53 @@ def plot(rows: list[dict], path: str, mode: str = "rejection"):
 
 def main(argv):
   del argv
-  module = _load(_CONFIG.value)
+  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
   base = os.path.abspath(_WORKDIR.value)
-  rows, summaries = [], {}
-  sweep = getattr(module, "SWEEP", None) or [{"mtp.loss": loss} for loss in LOSSES]
-  for entry in sweep:
-    config = module.get_config(_ARG.value)
-    if _INIT_FROM.value:
-      config.mtp.init_from = _INIT_FROM.value
-    for key, value in entry.items():
-      _set(config, key, value)
-    config.stages = ("mtp",)
-    config = config_lib.validate(config)
-    name = config.mtp.loss
-    if _ONLY.value and name not in _ONLY.value:
-      continue
-    workdir = os.path.join(base, name)
-    os.makedirs(workdir, exist_ok=True)
-    stages.run(config, workdir)
-    from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
-    summaries[name] = mtp.read_summary(workdir)
-  first = next(iter(summaries.values()), None)
-  modes = list(first["after"]["online"]) if first else []
-  if first and first.get("before"):
-    rows += [_row("sft (joint ce)", first["before"], m) for m in modes]
-  for name, s in summaries.items():
-    rows += [_row(name, s["after"], m) for m in modes]
+  namespace = {"__file__": _CONFIG.value}
+  with open(_CONFIG.value) as f:
+    exec(compile(f.read(), _CONFIG.value, "exec"), namespace)  # pylint: disable=exec-used
+  sweep = namespace.get("SWEEP") or [{"mtp.loss": loss} for loss in LOSSES]
+  runs = []
+  for start in _STARTS.value:
+    if start not in ("warm", "scratch", "config"):
+      raise app.UsageError(f"--starts={start!r} is not allowed: warm, scratch or config")
+    before_done = False
+    for entry in sweep:
+      for seed in range(_SEEDS.value):
+        config = config_lib.load_file(_CONFIG.value, _ARG.value)
+        if _INIT_FROM.value:
+          config.mtp.init_from = _INIT_FROM.value
+        for key, value in entry.items():
+          _set(config, key, value)
+        if start != "config":
+          config.mtp.reinit = start == "scratch"
+        config.mtp.seed = seed
+        config.stages = ("mtp",)
+        config = config_lib.validate(config)
+        name = config.mtp.loss
+        if _ONLY.value and name not in _ONLY.value:
+          continue
+        workdir = os.path.join(base, start, name, f"seed{seed}")
+        os.makedirs(workdir, exist_ok=True)
+        stages.run(config, workdir)
+        s = mtp.read_summary(workdir)
+        evals = [(name, s["after"])]
+        if s.get("before") and not before_done and not config.mtp.reinit:
+          evals.append(("sft (joint ce)", s["before"]))  # the same for every seed
+          before_done = True
+        for drafter, ev in evals:
+          for mode, online in ev["online"].items():
+            runs.append({"start": start, "drafter": drafter, "mode": mode, "seed": seed,
+                         "acceptance_online": online["acceptance"],
+                         "tokens_per_target_forward": online["tokens_per_target_forward"],
+                         "accuracy": online["accuracy"], "workdir": workdir})
+  rows = aggregate(runs)
   md = table(rows)
   print(md)
   with open(os.path.join(base, "sweep.md"), "w") as f:
     f.write(md + "\n")
   with open(os.path.join(base, "sweep.json"), "w") as f:
-    json.dump({"rows": rows, "timing": {n: s["timing"] for n, s in summaries.items()}}, f,
-              indent=2)
+    json.dump({"rows": rows, "runs": runs}, f, indent=2)
   if rows:
     plot(rows, os.path.join(base, "plots", "sweep.png"))
   print(f"wrote {base}/sweep.md, sweep.json, plots/sweep.png")

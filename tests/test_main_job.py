@@ -50,12 +50,15 @@ def test_summary_has_the_documented_keys(job):
   assert all(len(a) == k for a in rl["acceptance_by_step"])
   for when in ("before", "after"):
     assert set(rl[f"pass_at_1_{when}"]) == {"math", "code", "agentic"}
+  assert set(rl["entropy_fit"]) == {"rejection", "greedy_draft"}
+  assert set(s["sft"]["entropy"]) == {"math", "code", "agentic"}
   for plot in ("acceptance_by_depth", "acceptance_vs_entropy", "speedup_by_batch",
-               "rl_pass_at_1", "rl_reward", "rl_acceptance"):
+               "entropy_histogram", "rl_pass_at_1", "rl_reward", "rl_acceptance"):
     assert os.path.getsize(os.path.join(workdir, "plots", f"{plot}.png")) > 1000
   report = open(os.path.join(workdir, "report.md")).read()
   assert "| rejection |" in report and "acceptance_vs_entropy.png" in report
   assert "## RL" in report and "rl_acceptance.png" in report
+  assert "## Policy entropy" in report
 
 
 def test_only_the_drafter_changes(job):

@@ -278,7 +278,8 @@ def load_policy(config: ml_collections.ConfigDict, workdir: str
 
 def _reinit_mtp(config, model_cfg: ModelConfig, params: nnx.State) -> nnx.State:
   """`params` with the MTP modules freshly initialised (the drafter learned from scratch)."""
-  fresh = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed + 1)))
+  fresh = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(
+      config.seed + 1 + 7919 * config.mtp.seed)))
   mtp_filter = nnx.All(nnx.Param, nnx.PathContains("mtp"))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   keep = params.filter(nnx.Not(mtp_filter))
@@ -342,7 +343,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   tx, schedule = optimizer_lib.make_optimizer(m.optim, num_steps)
   state = trainer.place_state(
       trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
-  dataset = train_dataset(rows, m.batch_size, config.seed)
+  dataset = train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed)
   data_iter = iter(dataset)
   checkpointer = checkpoint_lib.Checkpointer(
       os.path.join(stage_dir(workdir), "checkpoints"), keep_last=m.train.keep_checkpoints)
