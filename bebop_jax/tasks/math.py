@@ -10,7 +10,7 @@ valid solution paths: with probability `diversity` at each step it reduces any o
 that precedence allows (any innermost group; a `*` between two numbers; a `+`/`-` whose
 neighbours are not `*` and which follows no `-`), and with probability `diversity / 2` each
 it restates the expression first (commuting the operands of such operations at random) and
-writes spaces around each operator. The reward is 1 iff the final answer after the answer
+writes spaces around the operators. The reward is 1 iff the final answer after the answer
 marker is exactly the value of the expression, whatever the path.
 """
 
@@ -92,10 +92,9 @@ class MathTask(base.Task):
       else:
         tokens = _reduce_once(tokens)
       lines.append(tokens)
-    # Spacing, operator by operator: a fork at every operator.
-    text = "\n".join("=" + "".join(
-        f" {t} " if t in ("+", "-", "*") and rng.random() < self.diversity / 2 else str(t)
-        for t in line) for line in lines)
+    spaced = rng.random() < self.diversity / 2  # one spacing style for the whole path
+    text = "\n".join("=" + "".join(f" {t} " if spaced and t in ("+", "-", "*") else str(t)
+                                    for t in line) for line in lines)
     return text + "\n" + base.ANSWER_MARKER + str(example.meta["answer"])
 
   def reward(self, example: base.Example, completion: str) -> float:
