@@ -72,6 +72,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.seq_len = 256
   c.data.batch_size = 32
   c.data.packing = True
+  # The first canonical_examples examples of the SFT stream use the canonical demonstration;
+  # later visits sample a solution path (tasks' diversity/spacing knobs): the policy learns
+  # the skills on one path before it sees the forks.
+  c.data.canonical_examples = 0
 
   # The policy (bebop_jax.model.config.ModelConfig fields); presets in model_config.PRESETS.
   c.model = ml_collections.ConfigDict(dataclasses.asdict(model_config.preset("tiny")))
@@ -228,6 +232,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.data_dir", d.data_dir, "must be a non-empty path")
   if not isinstance(d.packing, bool):
     _fail("data.packing", d.packing, "must be True or False")
+  if not isinstance(d.canonical_examples, int) or d.canonical_examples < 0:
+    _fail("data.canonical_examples", d.canonical_examples, "must be an int >= 0")
 
   total_weight = 0.0
   for name in tasks_lib.TASK_NAMES:

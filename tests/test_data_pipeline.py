@@ -169,3 +169,25 @@ def test_sft_samples_a_fresh_demonstration_at_every_visit(tiny_data_config):
     prompt, _, demo = body.partition("\n")
     value = eval(prompt.removeprefix("Compute: "), {"__builtins__": {}})  # pylint: disable=eval-used
     assert demo.endswith(f"<|answer|>{value}")
+
+
+def test_the_first_canonical_examples_use_the_canonical_demonstration(tiny_data_config):
+  """data.canonical_examples: a curriculum, one path first, sampled paths afterwards."""
+  config = tiny_data_config.copy_and_resolve_references()
+  for name in TASK_NAMES:
+    config.tasks[name].weight = 1.0 if name == "math" else 0.0
+  config.tasks.math.knobs.diversity = 1.0
+  config.tasks.math.knobs.spacing = 0.5
+  config.canonical_examples = 2 * config.num_train
+  tok = get_tokenizer()
+  it = iter(pipeline.sft_dataset(config, batch_size=4, seq_len=64, packing=False))
+  texts = [tok.decode(row, strip_pad=True) for _ in range(config.num_train)
+           for row in next(it)["tokens"]]  # four epochs: two canonical, two sampled
+  demos = [t.removeprefix("<|bos|>").removesuffix("<|eos|>").partition("\n") for t in texts]
+  half = len(demos) // 2
+  seen_early = {}
+  for prompt, _, demo in demos[:half]:
+    seen_early.setdefault(prompt, set()).add(demo)
+  assert all(len(d) == 1 for d in seen_early.values())  # one path per problem
+  late_new = sum(demo not in seen_early.get(prompt, set()) for prompt, _, demo in demos[half:])
+  assert late_new > len(demos[half:]) // 4

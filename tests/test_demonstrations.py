@@ -1,5 +1,6 @@
 """Several valid demonstrations per problem: every sampled path is valid, scores 1, and has
-choices; malformed variants score 0; diversity 0 is the canonical demonstration."""
+choices; malformed variants score 0; diversity and spacing 0 give the canonical
+demonstration."""
 
 import re
 
@@ -10,7 +11,7 @@ from bebop_jax.tasks import agentic, base
 from bebop_jax.tasks import code_lang as lang
 from bebop_jax.tasks import code as code_task
 
-DIVERSITY = 0.7
+DIVERSITY, SPACING = 0.7, 0.5
 NUM_PROBLEMS, NUM_SEEDS = 150, 24
 
 
@@ -34,7 +35,7 @@ def _ops(text: str) -> int:
 
 @pytest.mark.parametrize("name", tasks.TASK_NAMES)
 def test_most_problems_have_three_or_more_valid_paths(name):
-  task = tasks.get_task(name, diversity=DIVERSITY)
+  task = tasks.get_task(name, diversity=DIVERSITY, spacing=SPACING)
   counts = []
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
@@ -52,8 +53,30 @@ def test_diversity_zero_is_the_canonical_demonstration(name):
   assert {task.demonstration(ex, s) for s in range(5)} == {ex.demonstration}
 
 
+@pytest.mark.parametrize("name", tasks.TASK_NAMES)
+def test_spacing_is_one_style_per_demonstration(name):
+  task = tasks.get_task(name, spacing=0.5)
+  styles = set()
+  for seed in range(NUM_PROBLEMS):
+    ex = task.sample(seed)
+    for variant in _variants(task, ex)[:4]:
+      policy_text = variant.split(base.ANSWER_MARKER)[0]
+      if name == "agentic":
+        policy_text = "".join(agentic.demonstration_calls(variant))
+      if name == "code":  # the trace's lists (programs keep their own spaces)
+        policy_text = "".join(re.findall(r"\[[^\]]*\]", policy_text))
+      assert task.reward(ex, variant) == 1.0
+      assert variant.replace(" ", "") == ex.demonstration.replace(" ", "")  # only spaces
+      spaced = re.findall(r"[,+*] |  ?- ", policy_text)
+      tight = re.findall(r"[,+*][^ ]", policy_text) if name != "math" else re.findall(
+          r"[0-9)][+*-]", policy_text)
+      assert not (spaced and tight), variant  # never both styles in one demonstration
+      styles.add(bool(spaced))
+  assert styles == {True, False}
+
+
 def test_math_paths_reduce_one_valid_operation_per_line():
-  task = tasks.get_task("math", diversity=DIVERSITY, max_operands=4)
+  task = tasks.get_task("math", diversity=DIVERSITY, spacing=SPACING, max_operands=4)
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
     for variant in _variants(task, ex):
@@ -81,7 +104,7 @@ def test_math_commutes_and_reorders_only_where_precedence_allows():
 
 
 def test_code_variants_are_equivalent_programs_with_true_traces():
-  task = tasks.get_task("code", diversity=DIVERSITY, max_stages=2)
+  task = tasks.get_task("code", diversity=DIVERSITY, spacing=SPACING, max_stages=2)
   rewritten = 0
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
@@ -99,7 +122,7 @@ def test_code_variants_are_equivalent_programs_with_true_traces():
 
 
 def test_agentic_variants_replay_exactly_in_the_environment():
-  task = tasks.get_task("agentic", diversity=DIVERSITY)
+  task = tasks.get_task("agentic", diversity=DIVERSITY, spacing=SPACING)
   orders = set()
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
@@ -121,7 +144,7 @@ def test_agentic_variants_replay_exactly_in_the_environment():
 
 @pytest.mark.parametrize("name", tasks.TASK_NAMES)
 def test_malformed_variants_score_zero(name):
-  task = tasks.get_task(name, diversity=DIVERSITY)
+  task = tasks.get_task(name, diversity=DIVERSITY, spacing=SPACING)
   for seed in range(40):
     ex = task.sample(seed)
     for variant in _variants(task, ex)[:6]:

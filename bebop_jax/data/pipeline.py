@@ -63,7 +63,7 @@ def tool_result_mask(tokens: np.ndarray, tokenizer: Tokenizer | None = None) -> 
 
 # Knobs that change how demonstrations are sampled for SFT, not the stored examples: left out
 # of the dataset's identity, so changing them reuses the prepared data.
-_SAMPLING_KNOBS = ("diversity",)
+_SAMPLING_KNOBS = ("diversity", "spacing")
 
 
 def task_source(data_cfg: Mapping[str, Any], task_name: str, split: str):
@@ -105,15 +105,19 @@ def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
 
   Every visit of an example samples a fresh demonstration, `task.demonstration(example,
   key)` with a key derived from `seed` and the visit's position in the stream (so the
-  stream is deterministic and resumable); with diversity 0 it is the canonical one.
+  stream is deterministic and resumable); with diversity 0 it is the canonical one, and so
+  it is for the first `data_cfg["canonical_examples"]` examples of the stream.
   """
   tasks = {name: get_task(name, **dict(data_cfg["tasks"][name]["knobs"]))
            for name in TASK_NAMES if data_cfg["tasks"][name]["weight"] > 0}
 
+  canonical_examples = int(data_cfg.get("canonical_examples", 0))
+
   def featurize(index, record):
     task = tasks[_as_str(record["task"])]
     demonstration = _as_str(record["demonstration"])
-    if getattr(task, "diversity", 0) > 0:
+    if index >= canonical_examples and any(getattr(task, knob, 0) > 0
+                                           for knob in _SAMPLING_KNOBS):
       example = Example.from_json(_as_str(record["example_json"]))
       demonstration = task.demonstration(example, (seed << 40) + index)
     return sft_features(_as_str(record["prompt"]), demonstration)

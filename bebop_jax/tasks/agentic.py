@@ -467,7 +467,9 @@ class AgenticTask(Task):
     diversity: how often `demonstration` leaves the canonical path (0 = never): the two
       look-ups of an aggregate question in either order, `calc(b+a)` for `calc(a+b)`, an
       optional confirmation look-up (any attribute of an entity already looked up) when
-      the turn budget allows, spaced call arguments (`get(a, b)`, `calc(1 + 2)`).
+      the turn budget allows.
+    spacing: probability that a sampled transcript spaces its call arguments (`get(a, b)`,
+      `calc(1 + 2)`; one style for the whole transcript).
   """
 
   name = "agentic"
@@ -477,7 +479,8 @@ class AgenticTask(Task):
                ops: Sequence[str] = ("plus",),
                use_calc: bool = True,
                max_turns: int = 5,
-               diversity: float = 0.0):
+               diversity: float = 0.0,
+               spacing: float = 0.0):
     kinds, ops = tuple(kinds), tuple(ops)
     if not 2 <= num_entities <= MAX_ENTITIES:
       raise ValueError(f"num_entities must be in [2, {MAX_ENTITIES}], got {num_entities}")
@@ -488,9 +491,11 @@ class AgenticTask(Task):
     needed = max(self._turns_needed(kind, use_calc) for kind in kinds)
     if max_turns < needed:
       raise ValueError(f"max_turns={max_turns} < {needed} turns the demonstrations need")
-    if not 0.0 <= diversity <= 1.0:
-      raise ValueError(f"diversity must be in [0, 1], got {diversity}")
+    for knob, value in (("diversity", diversity), ("spacing", spacing)):
+      if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{knob} must be in [0, 1], got {value}")
     self.diversity = diversity
+    self.spacing = spacing
     self.num_entities = num_entities
     self.kinds = kinds
     self.ops = ops
@@ -556,7 +561,7 @@ class AgenticTask(Task):
   def demonstration(self, example: Example, seed: int) -> str:
     """One valid transcript of `example` (the canonical one with diversity 0); the results
     are the world's, so the environment replays it exactly."""
-    if self.diversity <= 0:
+    if self.diversity <= 0 and self.spacing <= 0:
       return example.demonstration
     rng = random.Random(f"agentic-demo/{seed}")
     calls = demonstration_calls(example.demonstration)
@@ -573,8 +578,9 @@ class AgenticTask(Task):
       at = rng.randint(1, len(gets))  # after a look-up: one more of an entity seen so far
       entity = calls[rng.randrange(at)][len("get("):].split(",")[0]
       calls.insert(at, f"get({entity},{rng.choice(ATTRIBUTES)})")
-    calls = [c.replace(",", ", ").replace("+", " + ").replace("*", " * ").replace("-", " - ")
-             if rng.random() < self.diversity / 2 else c for c in calls]  # spaced arguments
+    if rng.random() < self.spacing:  # spaced arguments, one style for the transcript
+      calls = [c.replace(",", ", ").replace("+", " + ").replace("*", " * ").replace("-", " - ")
+               for c in calls]
     return _transcript(example.meta["world"], calls, example.meta["answer"])
 
   def reward(self, example: Example, completion: Any) -> float:

@@ -12,8 +12,8 @@ then gives the canonical program text after ANSWER_MARKER (no EOS_MARKER).
 `task.demonstration(example, seed)` samples other valid paths with probability `diversity`:
 an equivalent program (commuted `+`, `*`, `and`, `or` and comparisons, `x*2` as `x+x`,
 `x>t` as `x>=t+1`, commuting stages such as filter and sort swapped), checked to give the
-same outputs on every shown and held-out input, a trace of another shown example, and
-list separators in the trace written ", " (each with probability `diversity / 2`). The reward is the fraction
+same outputs on every shown and held-out input, and a trace of another shown example. With
+probability `spacing` the trace writes its list separators ", ". The reward is the fraction
 of held-out cases (`meta["tests"]`) on which the answer's program returns exactly the
 expected output; 0.0 without an answer or if it does not parse. Reward work is bounded by
 design: the answer is at most MAX_ANSWER_CHARS, each run at most code_lang.MAX_STEPS steps,
@@ -95,14 +95,11 @@ def trace_text(program: lang.Program, inputs: list[int],
   return value_format(inputs) + " " + " | ".join(parts)
 
 
-def _spaced_values(rng: random.Random, p: float) -> Callable[[Any], str]:
-  """A value formatter that writes each list separator as ", " with probability p."""
-  def fmt(value: Any) -> str:
-    if not isinstance(value, list):
-      return lang.format_value(value)
-    return "[" + "".join((("," + " " * (rng.random() < p)) if i else "") + str(v)
-                         for i, v in enumerate(value)) + "]"
-  return fmt
+def _spaced_value(value: Any) -> str:
+  """A value with its list separators written ", "."""
+  if not isinstance(value, list):
+    return lang.format_value(value)
+  return "[" + ", ".join(str(v) for v in value) + "]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +123,7 @@ class CodeTask(base.Task):
       stage changes some shown output, shown outputs not all equal, held-out outputs not
       all equal), the rest need only run.
     diversity: how often `demonstration` leaves the canonical path (0 = never).
+    spacing: probability that a sampled demonstration's trace writes list separators ", ".
   """
   min_stages: int = 1
   max_stages: int = 1
@@ -139,6 +137,7 @@ class CodeTask(base.Task):
   stage_kinds: tuple[str, ...] = DEFAULT_STAGE_KINDS
   max_attempts: int = 200
   diversity: float = 0.0
+  spacing: float = 0.0
 
   name = "code"
 
@@ -158,6 +157,7 @@ class CodeTask(base.Task):
          f"stage_kinds must be a non-empty subset of {ALL_STAGE_KINDS}"),
         (self.max_attempts >= 2, "max_attempts must be >= 2"),
         (0.0 <= self.diversity <= 1.0, "diversity must be in [0, 1]"),
+        (0.0 <= self.spacing <= 1.0, "spacing must be in [0, 1]"),
     )
     for ok, message in checks:
       if not ok:
@@ -185,7 +185,7 @@ class CodeTask(base.Task):
 
   def demonstration(self, example: base.Example, seed: int) -> str:
     """One valid solution path of `example` (the canonical one with diversity 0)."""
-    if self.diversity <= 0:
+    if self.diversity <= 0 and self.spacing <= 0:
       return example.demonstration
     rng = random.Random(f"code-demo/{seed}")
     program = lang.parse_program(example.meta["program"])
@@ -196,7 +196,9 @@ class CodeTask(base.Task):
       if _outputs(variant, inputs) == _outputs(program, inputs):
         program = variant
     first = rng.randrange(len(shown)) if rng.random() < self.diversity else 0
-    trace = trace_text(program, shown[first]["input"], _spaced_values(rng, self.diversity / 2))
+    spaced = rng.random() < self.spacing  # one separator style for the whole trace
+    trace = trace_text(program, shown[first]["input"],
+                       _spaced_value if spaced else lang.format_value)
     return trace + "\n" + base.ANSWER_MARKER + lang.format_program(program)
 
   # Generation.

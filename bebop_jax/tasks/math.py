@@ -8,10 +8,11 @@ Each line of the demonstration reduces exactly one operation. The canonical demo
 `*` before `+`/`-`, left to right. `task.demonstration(example, seed)` samples one of many
 valid solution paths: with probability `diversity` at each step it reduces any operation
 that precedence allows (any innermost group; a `*` between two numbers; a `+`/`-` whose
-neighbours are not `*` and which follows no `-`), and with probability `diversity / 2` each
-it restates the expression first (commuting the operands of such operations at random) and
-writes spaces around the operators. The reward is 1 iff the final answer after the answer
-marker is exactly the value of the expression, whatever the path.
+neighbours are not `*` and which follows no `-`), and with probability `diversity / 2` it
+restates the expression first (commuting the operands of such operations at random). With
+probability `spacing` the whole path writes spaces around the operators. The reward is 1
+iff the final answer after the answer marker is exactly the value of the expression,
+whatever the path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class MathTask(base.Task):
     paren_prob: probability of wrapping each composite sub-expression in parentheses.
     diversity: how often `demonstration` leaves the canonical path (0 = never; see the
       module docstring).
+    spacing: probability that a sampled demonstration writes spaces around its operators
+      (one style for the whole path).
   """
   min_operands: int = 2
   max_operands: int = 3
@@ -43,6 +46,7 @@ class MathTask(base.Task):
   operators: str = "+-*"
   paren_prob: float = 0.4
   diversity: float = 0.0
+  spacing: float = 0.0
 
   name = "math"
 
@@ -57,8 +61,9 @@ class MathTask(base.Task):
                        f"got {self.operators!r}")
     if not 0.0 <= self.paren_prob <= 1.0:
       raise ValueError(f"math: paren_prob must be in [0, 1], got {self.paren_prob}")
-    if not 0.0 <= self.diversity <= 1.0:
-      raise ValueError(f"math: diversity must be in [0, 1], got {self.diversity}")
+    for knob in ("diversity", "spacing"):
+      if not 0.0 <= getattr(self, knob) <= 1.0:
+        raise ValueError(f"math: {knob} must be in [0, 1], got {getattr(self, knob)}")
 
   def sample(self, seed: int) -> base.Example:
     rng = random.Random(f"math/{seed}")
@@ -76,7 +81,7 @@ class MathTask(base.Task):
 
   def demonstration(self, example: base.Example, seed: int) -> str:
     """One valid solution path of `example` (the canonical one with diversity 0)."""
-    if self.diversity <= 0:
+    if self.diversity <= 0 and self.spacing <= 0:
       return example.demonstration
     rng = random.Random(f"math-demo/{seed}")
     tokens = parse_tokens(example.meta["expression"])
@@ -92,7 +97,7 @@ class MathTask(base.Task):
       else:
         tokens = _reduce_once(tokens)
       lines.append(tokens)
-    spaced = rng.random() < self.diversity / 2  # one spacing style for the whole path
+    spaced = rng.random() < self.spacing  # one spacing style for the whole path
     text = "\n".join("=" + "".join(f" {t} " if spaced and t in ("+", "-", "*") else str(t)
                                     for t in line) for line in lines)
     return text + "\n" + base.ANSWER_MARKER + str(example.meta["answer"])
