@@ -143,6 +143,9 @@ def main(argv):
         if start != "config":
           config.mtp.reinit = start == "scratch"
         config.mtp.seed = seed
+        # The SFT drafter is the same for every warm run: evaluate it once.
+        config.mtp.eval_before = config.mtp.eval_before and not before_done and \
+            not config.mtp.reinit
         config.stages = ("mtp",)
         config = config_lib.validate(config)
         name = config.mtp.loss

@@ -149,6 +149,8 @@ def test_sft_samples_a_fresh_demonstration_at_every_visit(tiny_data_config):
   for name in TASK_NAMES:
     config.tasks[name].weight = 1.0 if name == "math" else 0.0
   config.tasks.math.knobs.diversity = 0.8
+  config.tasks.math.knobs.restate = 0.4
+  config.tasks.math.knobs.spacing = 0.4
   tok = get_tokenizer()
 
   def texts(seed, batches):

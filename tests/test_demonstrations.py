@@ -12,6 +12,7 @@ from bebop_jax.tasks import code_lang as lang
 from bebop_jax.tasks import code as code_task
 
 DIVERSITY, SPACING = 0.7, 0.5
+EXTRA = {"math": {"restate": 0.35}, "agentic": {"confirm": 0.35}, "code": {}}
 NUM_PROBLEMS, NUM_SEEDS = 150, 24
 
 
@@ -35,7 +36,7 @@ def _ops(text: str) -> int:
 
 @pytest.mark.parametrize("name", tasks.TASK_NAMES)
 def test_most_problems_have_three_or_more_valid_paths(name):
-  task = tasks.get_task(name, diversity=DIVERSITY, spacing=SPACING)
+  task = tasks.get_task(name, diversity=DIVERSITY, spacing=SPACING, **EXTRA[name])
   counts = []
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
@@ -76,7 +77,7 @@ def test_spacing_is_one_style_per_demonstration(name):
 
 
 def test_math_paths_reduce_one_valid_operation_per_line():
-  task = tasks.get_task("math", diversity=DIVERSITY, spacing=SPACING, max_operands=4)
+  task = tasks.get_task("math", diversity=DIVERSITY, spacing=SPACING, max_operands=4, **EXTRA["math"])
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
     for variant in _variants(task, ex):
@@ -122,7 +123,7 @@ def test_code_variants_are_equivalent_programs_with_true_traces():
 
 
 def test_agentic_variants_replay_exactly_in_the_environment():
-  task = tasks.get_task("agentic", diversity=DIVERSITY, spacing=SPACING)
+  task = tasks.get_task("agentic", diversity=DIVERSITY, spacing=SPACING, **EXTRA["agentic"])
   orders = set()
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
@@ -144,7 +145,7 @@ def test_agentic_variants_replay_exactly_in_the_environment():
 
 @pytest.mark.parametrize("name", tasks.TASK_NAMES)
 def test_malformed_variants_score_zero(name):
-  task = tasks.get_task(name, diversity=DIVERSITY, spacing=SPACING)
+  task = tasks.get_task(name, diversity=DIVERSITY, spacing=SPACING, **EXTRA[name])
   for seed in range(40):
     ex = task.sample(seed)
     for variant in _variants(task, ex)[:6]:
@@ -152,3 +153,20 @@ def test_malformed_variants_score_zero(name):
       assert task.reward(ex, body) == 0.0                       # no answer
       wrong = str(int(answer) + 1) if answer.lstrip("-").isdigit() else answer + " | rev | rev | take(0)"
       assert task.reward(ex, body + base.ANSWER_MARKER + wrong) < 1.0
+
+
+def test_restatements_and_confirmations_have_their_own_knobs():
+  math_task = tasks.get_task("math", diversity=1.0)
+  restating = tasks.get_task("math", diversity=1.0, restate=1.0)
+  ex = next(e for e in map(math_task.sample, range(50)) if _ops(e.meta["expression"]) >= 2)
+  plain = {math_task.demonstration(ex, s).split("\n")[0] for s in range(NUM_SEEDS)}
+  first = {restating.demonstration(ex, s).split("\n")[0] for s in range(NUM_SEEDS)}
+  assert all(_ops(line[1:]) < _ops(ex.meta["expression"]) for line in plain)  # no restating
+  assert all(_ops(line[1:]) == _ops(ex.meta["expression"]) for line in first)
+  one_hop = lambda e: e.meta["kind"] == "one_hop"
+  quiet, confirming = (tasks.get_task("agentic", diversity=1.0, confirm=c) for c in (0.0, 1.0))
+  ex = next(e for e in map(quiet.sample, range(50)) if one_hop(e))
+  assert {len(agentic.demonstration_calls(quiet.demonstration(ex, s)))
+          for s in range(NUM_SEEDS)} == {1}
+  assert {len(agentic.demonstration_calls(confirming.demonstration(ex, s)))
+          for s in range(NUM_SEEDS)} == {2}

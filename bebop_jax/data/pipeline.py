@@ -63,7 +63,7 @@ def tool_result_mask(tokens: np.ndarray, tokenizer: Tokenizer | None = None) -> 
 
 # Knobs that change how demonstrations are sampled for SFT, not the stored examples: left out
 # of the dataset's identity, so changing them reuses the prepared data.
-_SAMPLING_KNOBS = ("diversity", "spacing")
+_SAMPLING_KNOBS = ("diversity", "restate", "confirm", "spacing")
 
 
 def task_source(data_cfg: Mapping[str, Any], task_name: str, split: str):

@@ -465,9 +465,9 @@ class AgenticTask(Task):
     use_calc: whether aggregate demonstrations call calc (else the policy adds itself).
     max_turns: most policy turns per episode, the answering turn included.
     diversity: how often `demonstration` leaves the canonical path (0 = never): the two
-      look-ups of an aggregate question in either order, `calc(b+a)` for `calc(a+b)`, an
-      optional confirmation look-up (any attribute of an entity already looked up) when
-      the turn budget allows.
+      look-ups of an aggregate question in either order, `calc(b+a)` for `calc(a+b)`.
+    confirm: probability of an extra confirmation look-up (any attribute of an entity
+      already looked up) when the turn budget allows.
     spacing: probability that a sampled transcript spaces its call arguments (`get(a, b)`,
       `calc(1 + 2)`; one style for the whole transcript).
   """
@@ -480,6 +480,7 @@ class AgenticTask(Task):
                use_calc: bool = True,
                max_turns: int = 5,
                diversity: float = 0.0,
+               confirm: float = 0.0,
                spacing: float = 0.0):
     kinds, ops = tuple(kinds), tuple(ops)
     if not 2 <= num_entities <= MAX_ENTITIES:
@@ -491,10 +492,11 @@ class AgenticTask(Task):
     needed = max(self._turns_needed(kind, use_calc) for kind in kinds)
     if max_turns < needed:
       raise ValueError(f"max_turns={max_turns} < {needed} turns the demonstrations need")
-    for knob, value in (("diversity", diversity), ("spacing", spacing)):
+    for knob, value in (("diversity", diversity), ("confirm", confirm), ("spacing", spacing)):
       if not 0.0 <= value <= 1.0:
         raise ValueError(f"{knob} must be in [0, 1], got {value}")
     self.diversity = diversity
+    self.confirm = confirm
     self.spacing = spacing
     self.num_entities = num_entities
     self.kinds = kinds
@@ -561,7 +563,7 @@ class AgenticTask(Task):
   def demonstration(self, example: Example, seed: int) -> str:
     """One valid transcript of `example` (the canonical one with diversity 0); the results
     are the world's, so the environment replays it exactly."""
-    if self.diversity <= 0 and self.spacing <= 0:
+    if self.diversity <= 0 and self.confirm <= 0 and self.spacing <= 0:
       return example.demonstration
     rng = random.Random(f"agentic-demo/{seed}")
     calls = demonstration_calls(example.demonstration)
@@ -574,7 +576,7 @@ class AgenticTask(Task):
         if body.count(op) == 1 and "-" not in body:
           left, right = body.split(op)
           calls[-1] = f"calc({right}{op}{left})"
-    if len(calls) + 2 <= self.max_turns and rng.random() < self.diversity / 2:
+    if len(calls) + 2 <= self.max_turns and rng.random() < self.confirm:
       at = rng.randint(1, len(gets))  # after a look-up: one more of an entity seen so far
       entity = calls[rng.randrange(at)][len("get("):].split(",")[0]
       calls.insert(at, f"get({entity},{rng.choice(ATTRIBUTES)})")

@@ -8,8 +8,8 @@ Each line of the demonstration reduces exactly one operation. The canonical demo
 `*` before `+`/`-`, left to right. `task.demonstration(example, seed)` samples one of many
 valid solution paths: with probability `diversity` at each step it reduces any operation
 that precedence allows (any innermost group; a `*` between two numbers; a `+`/`-` whose
-neighbours are not `*` and which follows no `-`), and with probability `diversity / 2` it
-restates the expression first (commuting the operands of such operations at random). With
+neighbours are not `*` and which follows no `-`). With probability `restate` it restates the
+expression first (commuting the operands of such operations at random), and with
 probability `spacing` the whole path writes spaces around the operators. The reward is 1
 iff the final answer after the answer marker is exactly the value of the expression,
 whatever the path.
@@ -37,6 +37,8 @@ class MathTask(base.Task):
     paren_prob: probability of wrapping each composite sub-expression in parentheses.
     diversity: how often `demonstration` leaves the canonical path (0 = never; see the
       module docstring).
+    restate: probability that a sampled demonstration first restates the expression with
+      commuted operands.
     spacing: probability that a sampled demonstration writes spaces around its operators
       (one style for the whole path).
   """
@@ -46,6 +48,7 @@ class MathTask(base.Task):
   operators: str = "+-*"
   paren_prob: float = 0.4
   diversity: float = 0.0
+  restate: float = 0.0
   spacing: float = 0.0
 
   name = "math"
@@ -61,7 +64,7 @@ class MathTask(base.Task):
                        f"got {self.operators!r}")
     if not 0.0 <= self.paren_prob <= 1.0:
       raise ValueError(f"math: paren_prob must be in [0, 1], got {self.paren_prob}")
-    for knob in ("diversity", "spacing"):
+    for knob in ("diversity", "restate", "spacing"):
       if not 0.0 <= getattr(self, knob) <= 1.0:
         raise ValueError(f"math: {knob} must be in [0, 1], got {getattr(self, knob)}")
 
@@ -81,12 +84,12 @@ class MathTask(base.Task):
 
   def demonstration(self, example: base.Example, seed: int) -> str:
     """One valid solution path of `example` (the canonical one with diversity 0)."""
-    if self.diversity <= 0 and self.spacing <= 0:
+    if self.diversity <= 0 and self.restate <= 0 and self.spacing <= 0:
       return example.demonstration
     rng = random.Random(f"math-demo/{seed}")
     tokens = parse_tokens(example.meta["expression"])
     lines = []
-    if rng.random() < self.diversity / 2:  # restate, commuting operands at random
+    if rng.random() < self.restate:  # restate, commuting operands at random
       for j in reducible_ops(tokens):
         if tokens[j] in "+*" and rng.random() < 0.5:
           tokens = tokens[:j - 1] + [tokens[j + 1], tokens[j], tokens[j - 1]] + tokens[j + 2:]

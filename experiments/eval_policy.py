@@ -1,0 +1,103 @@
+r"""Held-out pass@1 and per-token entropy of a workdir's SFT policy at temperature 1.
+
+  python experiments/eval_policy.py --config=configs/testbed_entropy.py \
+      --workdir=runs/testbed_entropy --num_examples=256
+
+One autoregressive rollout per held-out prompt (the first --num_examples of the test split
+per task; the agentic environment in the loop), sampled at temperature 1 without top-k/top-p
+with the config's seed. Prints per task pass@1 with its standard error and the entropy of the
+sampled positions (mean, fraction above 0.5 nats; bebop_jax.evaluation.entropy_stats), and
+writes them to --out (JSON) when given. The SFT stage reports the same quantities on
+eval.num_examples prompts.
+
+For comparison it also reports the entropy of the demonstrations themselves: per problem,
+--demo_samples paths from `task.demonstration` (the config's diversity knobs), and at every
+policy position of every path the entropy of the next token among the paths sharing its
+prefix (a plug-in estimate, biased low for few samples), averaged over --demo_problems
+training problems. The policy's entropy above it is its own uncertainty.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from bebop_jax import evaluation, rollout
+from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import get_tokenizer, pipeline
+from bebop_jax.train import sft
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding an SFT checkpoint.")
+_NUM = flags.DEFINE_integer("num_examples", 256, "Held-out prompts per task.")
+_OUT = flags.DEFINE_string("out", None, "Optional JSON output path.")
+_DEMO_SAMPLES = flags.DEFINE_integer("demo_samples", 64, "Sampled paths per problem.")
+_DEMO_PROBLEMS = flags.DEFINE_integer("demo_problems", 30, "Problems for the demonstration "
+                                      "entropy (task.sample(0..N-1)).")
+
+
+def demonstration_entropy(task, examples, num_samples: int) -> dict[str, float]:
+  """Mean next-token entropy of the sampled paths at policy positions (tool results left
+  out), and the fraction of positions above evaluation.ENTROPY_THRESHOLD."""
+  tok = get_tokenizer()
+  ents = []
+  for ex in examples:
+    seqs = [tuple(tok.encode(task.demonstration(ex, s), add_eos=True))
+            for s in range(num_samples)]
+    nexts = collections.defaultdict(collections.Counter)  # prefix -> next-token counts
+    for seq in seqs:
+      for i, t in enumerate(seq):
+        nexts[seq[:i]][t] += 1
+    for seq in seqs:
+      policy = ~pipeline.tool_result_mask(np.array(seq), tok)
+      for i in range(len(seq)):
+        if policy[i]:
+          counts = nexts[seq[:i]].values()
+          total = sum(counts)
+          ents.append(-sum(c / total * math.log(c / total) for c in counts))
+  e = np.array(ents)
+  return {"mean": float(e.mean()),
+          "above_threshold": float((e > evaluation.ENTROPY_THRESHOLD).mean())}
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  graphdef, params = sft.load_policy(config, _WORKDIR.value)
+  d = config.data
+  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
+  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
+  examples = {n: pipeline.eval_examples(d, n, _NUM.value) for n in names}
+  engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+      config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0))
+  rollouts = evaluation.rollouts_by_task(engine, examples, seed=config.seed)
+  entropy = evaluation.entropy_stats(rollouts)
+  results = {}
+  print("| task | pass@1 | policy entropy (nats) | above 0.5 nats | demonstration entropy "
+        "(nats) | above 0.5 nats |")
+  print("|---|---|---|---|---|---|")
+  for n in names:
+    rewards = rollouts[n].rewards
+    demo = demonstration_entropy(task_objs[n], [task_objs[n].sample(i) for i in
+                                                range(_DEMO_PROBLEMS.value)],
+                                 _DEMO_SAMPLES.value)
+    results[n] = {"pass_at_1": float(rewards.mean()),
+                  "pass_at_1_se": evaluation.standard_error(rewards),
+                  "entropy": entropy[n], "demonstration_entropy": demo}
+    print(f"| {n} | {rewards.mean():.3f} ± {results[n]['pass_at_1_se']:.3f} | "
+          f"{entropy[n]['mean']:.3f} | {100 * entropy[n]['above_threshold']:.1f}% | "
+          f"{demo['mean']:.3f} | {100 * demo['above_threshold']:.1f}% |")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)
