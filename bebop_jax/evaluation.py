@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import collections
+import math
+
 import jax
 import numpy as np
 
 from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import get_tokenizer, pipeline
 from bebop_jax.rollout import RolloutEngine, Rollouts, RolloutSettings
 
 
@@ -80,3 +84,30 @@ def entropy_stats(rollouts: Mapping[str, Rollouts]) -> dict[str, dict]:
                  else 0.0,
                  "histogram": counts.tolist(), "positions": int(ent.size)}
   return out
+
+
+def demonstration_entropy(task, examples, num_samples: int) -> dict[str, float]:
+  """The entropy of a task's sampled demonstrations themselves: per example `num_samples`
+  paths from `task.demonstration`, and at every policy position of every path (tool
+  results left out) the entropy of the next token among the paths sharing its prefix (a
+  plug-in estimate, biased low for few samples). Returns the mean and the fraction of
+  positions above ENTROPY_THRESHOLD."""
+  tok = get_tokenizer()
+  ents = []
+  for ex in examples:
+    seqs = [tuple(tok.encode(task.demonstration(ex, s), add_eos=True))
+            for s in range(num_samples)]
+    nexts = collections.defaultdict(collections.Counter)  # prefix -> next-token counts
+    for seq in seqs:
+      for i, t in enumerate(seq):
+        nexts[seq[:i]][t] += 1
+    for seq in seqs:
+      policy = ~pipeline.tool_result_mask(np.array(seq), tok)
+      for i in range(len(seq)):
+        if policy[i]:
+          counts = nexts[seq[:i]].values()
+          total = sum(counts)
+          ents.append(-sum(c / total * math.log(c / total) for c in counts))
+  e = np.array(ents)
+  return {"mean": float(e.mean()),
+          "above_threshold": float((e > ENTROPY_THRESHOLD).mean())}

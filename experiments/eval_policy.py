@@ -19,17 +19,14 @@ training problems. The policy's entropy above it is its own uncertainty.
 
 from __future__ import annotations
 
-import collections
 import json
-import math
 
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from bebop_jax import evaluation, rollout
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data import get_tokenizer, pipeline
+from bebop_jax.data import pipeline
 from bebop_jax.train import sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
@@ -40,30 +37,6 @@ _OUT = flags.DEFINE_string("out", None, "Optional JSON output path.")
 _DEMO_SAMPLES = flags.DEFINE_integer("demo_samples", 64, "Sampled paths per problem.")
 _DEMO_PROBLEMS = flags.DEFINE_integer("demo_problems", 30, "Problems for the demonstration "
                                       "entropy (task.sample(0..N-1)).")
-
-
-def demonstration_entropy(task, examples, num_samples: int) -> dict[str, float]:
-  """Mean next-token entropy of the sampled paths at policy positions (tool results left
-  out), and the fraction of positions above evaluation.ENTROPY_THRESHOLD."""
-  tok = get_tokenizer()
-  ents = []
-  for ex in examples:
-    seqs = [tuple(tok.encode(task.demonstration(ex, s), add_eos=True))
-            for s in range(num_samples)]
-    nexts = collections.defaultdict(collections.Counter)  # prefix -> next-token counts
-    for seq in seqs:
-      for i, t in enumerate(seq):
-        nexts[seq[:i]][t] += 1
-    for seq in seqs:
-      policy = ~pipeline.tool_result_mask(np.array(seq), tok)
-      for i in range(len(seq)):
-        if policy[i]:
-          counts = nexts[seq[:i]].values()
-          total = sum(counts)
-          ents.append(-sum(c / total * math.log(c / total) for c in counts))
-  e = np.array(ents)
-  return {"mean": float(e.mean()),
-          "above_threshold": float((e > evaluation.ENTROPY_THRESHOLD).mean())}
 
 
 def main(argv):
@@ -84,7 +57,7 @@ def main(argv):
   print("|---|---|---|---|---|---|")
   for n in names:
     rewards = rollouts[n].rewards
-    demo = demonstration_entropy(task_objs[n], [task_objs[n].sample(i) for i in
+    demo = evaluation.demonstration_entropy(task_objs[n], [task_objs[n].sample(i) for i in
                                                 range(_DEMO_PROBLEMS.value)],
                                  _DEMO_SAMPLES.value)
     results[n] = {"pass_at_1": float(rewards.mean()),

@@ -1,12 +1,11 @@
-"""The demonstrations' own entropy (experiments/eval_policy.py) against hand counts."""
+"""The demonstrations' own entropy (evaluation.demonstration_entropy) against hand counts."""
 
 import math
 
 import pytest
 
-from bebop_jax import tasks
+from bebop_jax import evaluation, tasks
 from bebop_jax.data import get_tokenizer
-from experiments import eval_policy
 
 
 class _TwoPaths:
@@ -18,7 +17,7 @@ class _TwoPaths:
 
 
 def test_one_even_fork_is_ln2_at_its_position():
-  out = eval_policy.demonstration_entropy(_TwoPaths(), [None], num_samples=8)
+  out = evaluation.demonstration_entropy(_TwoPaths(), [None], num_samples=8)
   positions = len(get_tokenizer().encode("ab", add_eos=True))  # a, b|c, eos
   assert out["mean"] == pytest.approx(math.log(2) / positions)
   assert out["above_threshold"] == pytest.approx(1 / positions)
@@ -26,5 +25,5 @@ def test_one_even_fork_is_ln2_at_its_position():
 
 def test_canonical_demonstrations_carry_no_entropy():
   task = tasks.get_task("agentic")
-  out = eval_policy.demonstration_entropy(task, [task.sample(i) for i in range(3)], 4)
+  out = evaluation.demonstration_entropy(task, [task.sample(i) for i in range(3)], 4)
   assert out == {"mean": 0.0, "above_threshold": 0.0}
