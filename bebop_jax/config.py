@@ -73,7 +73,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.batch_size = 32
   c.data.packing = True
   # The first canonical_examples examples of the SFT stream use the canonical demonstration;
-  # later visits sample a solution path (tasks' diversity/spacing knobs): the policy learns
+  # later visits sample a solution path (the tasks' fork knobs): the policy learns
   # the skills on one path before it sees the forks.
   c.data.canonical_examples = 0
 
