@@ -23,7 +23,8 @@ def test_base_and_experiment_configs_validate():
     ("stages", (), "config.stages=() is not allowed"),
     ("data.tasks.math.weight", -1.0, "config.data.tasks.math.weight=-1.0"),
     ("data.packing", 1, "config.data.packing=1 is not allowed: must be True or False"),
-    ("data.canonical_examples", -1, "config.data.canonical_examples=-1 is not allowed: must be an int >= 0"),
+    ("data.canonical_examples", -1,
+     "config.data.canonical_examples=-1 is not allowed: must be an int >= 0"),
     ("rl.group_size", 1, "config.rl.group_size=1 is not allowed: must be >= 2 with "
      "rl.advantage='grpo'"),
     ("rl.advantage", "ppo", "config.rl.advantage='ppo' is not allowed: one of ('grpo', "

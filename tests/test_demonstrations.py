@@ -77,7 +77,8 @@ def test_spacing_is_one_style_per_demonstration(name):
 
 
 def test_math_paths_reduce_one_valid_operation_per_line():
-  task = tasks.get_task("math", diversity=DIVERSITY, spacing=SPACING, max_operands=4, **EXTRA["math"])
+  task = tasks.get_task("math", diversity=DIVERSITY, spacing=SPACING, max_operands=4,
+                        **EXTRA["math"])
   for seed in range(NUM_PROBLEMS):
     ex = task.sample(seed)
     for variant in _variants(task, ex):
