@@ -24,9 +24,8 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from bebop_jax import evaluation, rollout
+from bebop_jax import evaluation
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data import pipeline
 from bebop_jax.train import sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
@@ -43,13 +42,10 @@ def main(argv):
   del argv
   config = _CONFIG.value
   graphdef, params = sft.load_policy(config, _WORKDIR.value)
-  d = config.data
-  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
-  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
-  examples = {n: pipeline.eval_examples(d, n, _NUM.value) for n in names}
-  engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
-      config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0))
-  rollouts = evaluation.rollouts_by_task(engine, examples, seed=config.seed)
+  rollouts = sft.heldout_rollouts(config, graphdef, params, num_examples=_NUM.value,
+                                  seed=config.seed)
+  names = list(rollouts)
+  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in names}
   entropy = evaluation.entropy_stats(rollouts)
   results = {}
   print("| task | pass@1 | policy entropy (nats) | above 0.5 nats | demonstration entropy "

@@ -70,17 +70,24 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
   return eval_fn
 
 
+def heldout_rollouts(config: ml_collections.ConfigDict, graphdef, params, *,
+                     num_examples: int, seed: int) -> dict[str, rollout.Rollouts]:
+  """{task: one autoregressive rollout per held-out prompt} at temperature 1 without
+  top-k/top-p, over the first `num_examples` test prompts of every task with weight > 0."""
+  d = config.data
+  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
+  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
+  examples = {n: pipeline.eval_examples(d, n, num_examples) for n in names}
+  engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+      config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0))
+  return evaluation.rollouts_by_task(engine, examples, seed=seed)
+
+
 def policy_entropy(config: ml_collections.ConfigDict, graphdef, params) -> dict[str, dict]:
   """The policy's per-token entropy at temperature 1 on held-out rollouts, per task
   (evaluation.entropy_stats; autoregressive, eval.num_examples prompts per task)."""
-  d, e = config.data, config.eval
-  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
-  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
-  examples = {n: pipeline.eval_examples(d, n, e.num_examples) for n in names}
-  engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
-      config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0))
-  return evaluation.entropy_stats(evaluation.rollouts_by_task(engine, examples,
-                                                              seed=config.seed + 3))
+  return evaluation.entropy_stats(heldout_rollouts(
+      config, graphdef, params, num_examples=config.eval.num_examples, seed=config.seed + 3))
 
 
 def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
