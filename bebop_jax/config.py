@@ -52,6 +52,12 @@ def loop_defaults(**overrides: Any) -> ml_collections.ConfigDict:
   return loop
 
 
+def _mesh_defaults() -> ml_collections.ConfigDict:
+  """A mesh section: shape (one entry may be -1), axis names, logical-axis rules."""
+  return ml_collections.ConfigDict(dict(shape=(-1,), axes=("data",),
+                                        rules=sharding.DEFAULT_RULES))
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every key the project understands, with its default."""
   c = ml_collections.ConfigDict()
@@ -82,10 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   # Device mesh: one dimension may be -1 (all remaining devices); rules map logical axes of
   # parameters and activations to mesh axes (bebop_jax.sharding).
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.shape = (-1,)
-  c.mesh.axes = ("data",)
-  c.mesh.rules = sharding.DEFAULT_RULES
+  c.mesh = _mesh_defaults()
 
   c.preview = ml_collections.ConfigDict()
   c.preview.examples_per_task = 2
@@ -150,6 +153,24 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.mtp.every = 5               # periodic: steps between updates
   c.rl.mtp.optim = optim_defaults(learning_rate=1e-3, warmup_steps=0, decay="constant",
                                   trainable="mtp")
+  # Where the learner and the rollouts run (bebop_jax.rl.placement): "colocated" (the learner
+  # on config.mesh, rollouts on the first device) or "split" into two disjoint sub-meshes.
+  c.rl.placement = ml_collections.ConfigDict(dict(
+      mode="colocated",
+      learner_devices=0.5,         # split: a count (>= 1) or a fraction in (0, 1) of devices
+      rollout_devices=0.0,         # split: the same; 0 = the rest
+      learner_mesh=_mesh_defaults(), rollout_mesh=_mesh_defaults()))
+  # Asynchronous RL (bebop_jax.rl.async_loop): a rollout thread fills a bounded queue while
+  # the learner trains; off = the synchronous loop.
+  c.rl["async"] = ml_collections.ConfigDict(dict(
+      enabled=False,
+      max_staleness=1,             # eta: no batch is sampled more than eta versions back
+      queue_size=0,                # batches ready ahead of the learner; 0 = eta + 1
+      interrupt=False,             # swap in new weights between a batch's decoding calls
+      off_policy="decoupled",      # "decoupled" PPO (proximal log-probs recomputed) or "none"
+      is_cap=2.0,                  # cap of the behaviour weight exp(proximal - behaviour)
+      is_mode="cap",               # "cap" the weight at is_cap, or "mask" tokens above it
+      max_restarts=3))             # consecutive rollout-thread failures before giving up
   # Held-out evaluation before, every rl.train.eval_every steps and after: pass@1 per task
   # and acceptance per depth, speculative at the rollout temperature, in each mode.
   c.rl.eval = ml_collections.ConfigDict()
@@ -263,9 +284,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.vocab_size", model.vocab_size, f"must be >= the tokenizer's {vocab}")
 
   mesh_sizes = _validate_mesh(config.mesh)
-  batch_axes = dict(config.mesh.rules).get("batch") or ()
-  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-  data_parallel = math.prod(mesh_sizes.get(a, 1) for a in batch_axes)
+  data_parallel, batch_axes = _data_parallel(mesh_sizes, config.mesh.rules)
   for key in ("data.batch_size", "mtp.batch_size"):
     if _get(config, key) % data_parallel:
       _fail(key, _get(config, key),
@@ -275,7 +294,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not isinstance(config.sft.mtp_loss_weight, (int, float)) or config.sft.mtp_loss_weight < 0:
     _fail("sft.mtp_loss_weight", config.sft.mtp_loss_weight, "must be a number >= 0")
   _validate_mtp(config)
-  _validate_rl(config, data_parallel)
+  _validate_rl(config, _validate_placement(config, data_parallel))
   r = config.report
   if not r.batch_sizes or any(not isinstance(b, int) or b < 1 for b in r.batch_sizes):
     _fail("report.batch_sizes", r.batch_sizes, "must be a non-empty tuple of positive ints")
@@ -336,6 +355,42 @@ def _validate_mtp(config: ml_collections.ConfigDict) -> None:
               "mtp.data.batch_size"):
     _positive_int(config, key)
   _validate_training(config, "mtp", batch_key="mtp.batch_size")
+
+
+def _validate_placement(config: ml_collections.ConfigDict, data_parallel: int) -> int:
+  """rl.placement and rl.async; returns the learner's data-parallel size."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from bebop_jax.rl import placement as placement_lib  # pylint: disable=g-import-not-at-top
+  p = config.rl.placement
+  if p.mode not in placement_lib.MODES:
+    _fail("rl.placement.mode", p.mode, f"one of {placement_lib.MODES}")
+  if p.mode == "split":
+    try:
+      learner, rollout = placement_lib.split_devices(p.learner_devices, p.rollout_devices,
+                                                     list(range(jax.device_count())))
+    except placement_lib.PlacementError as e:
+      raise ConfigError(f"config.{e}") from e
+    sizes = _validate_mesh(p.learner_mesh, "rl.placement.learner_mesh", len(learner))
+    _validate_mesh(p.rollout_mesh, "rl.placement.rollout_mesh", len(rollout))
+    data_parallel = _data_parallel(sizes, p.learner_mesh.rules)[0]
+  a = config.rl["async"]
+  if not isinstance(a.enabled, bool):
+    _fail("rl.async.enabled", a.enabled, "must be True or False")
+  if not isinstance(a.max_staleness, int) or a.max_staleness < 0:
+    _fail("rl.async.max_staleness", a.max_staleness, "must be an int >= 0 (0 = on-policy)")
+  if not isinstance(a.queue_size, int) or a.queue_size < 0:
+    _fail("rl.async.queue_size", a.queue_size, "must be an int >= 0 (0 = max_staleness + 1)")
+  if not isinstance(a.interrupt, bool):
+    _fail("rl.async.interrupt", a.interrupt, "must be True or False")
+  if a.off_policy not in ("decoupled", "none"):
+    _fail("rl.async.off_policy", a.off_policy, "one of ('decoupled', 'none')")
+  if not isinstance(a.is_cap, (int, float)) or a.is_cap <= 0:
+    _fail("rl.async.is_cap", a.is_cap, "must be a number > 0")
+  if a.is_mode not in ("cap", "mask"):
+    _fail("rl.async.is_mode", a.is_mode, "one of ('cap', 'mask')")
+  if not isinstance(a.max_restarts, int) or a.max_restarts < 0:
+    _fail("rl.async.max_restarts", a.max_restarts, "must be an int >= 0")
+  return data_parallel
 
 
 def _validate_rl(config: ml_collections.ConfigDict, data_parallel: int) -> None:
@@ -449,28 +504,39 @@ def _validate_training(config: ml_collections.ConfigDict, stage: str,
           f"must divide {batch_key}={_get(config, batch_key)}")
 
 
-def _validate_mesh(mesh_cfg: ml_collections.ConfigDict) -> dict[str, int]:
-  """Shape against axes and the device count; rules against known mesh axes."""
+def _data_parallel(mesh_sizes: dict[str, int], rules) -> tuple[int, tuple[str, ...]]:
+  """(the data-parallel size of a mesh: the product of its batch axes, those axes)."""
+  batch_axes = dict(rules).get("batch") or ()
+  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  return math.prod(mesh_sizes.get(a, 1) for a in batch_axes), batch_axes
+
+
+def _validate_mesh(mesh_cfg: ml_collections.ConfigDict, key: str = "mesh",
+                   num_devices: int | None = None) -> dict[str, int]:
+  """Shape against axes and the device count (default: all of them); rules against known
+  mesh axes. Returns {axis: size}."""
   import jax  # pylint: disable=g-import-not-at-top  # only here: config files stay light
   shape, axes = tuple(mesh_cfg.shape), tuple(mesh_cfg.axes)
   if len(shape) != len(axes) or len(set(axes)) != len(axes):
-    _fail("mesh.axes", axes, f"must name each of the {len(shape)} dimensions of "
-          f"mesh.shape={shape} once")
+    _fail(f"{key}.axes", axes, f"must name each of the {len(shape)} dimensions of "
+          f"{key}.shape={shape} once")
   unknown = [a for a in axes if a not in sharding.MESH_AXES]
   if unknown:
-    _fail("mesh.axes", axes, f"axis names must come from {sharding.MESH_AXES}")
+    _fail(f"{key}.axes", axes, f"axis names must come from {sharding.MESH_AXES}")
   if any(not isinstance(s, int) or (s < 1 and s != -1) for s in shape) or shape.count(-1) > 1:
-    _fail("mesh.shape", shape, "must hold positive ints and at most one -1")
-  try:
-    resolved = sharding.resolve_mesh_shape(shape, jax.device_count())
-  except sharding.MeshError as e:
-    raise ConfigError(f"config.mesh.shape={shape} is not allowed: {e}") from e
-  return dict(zip(axes, resolved))
+    _fail(f"{key}.shape", shape, "must hold positive ints and at most one -1")
   for rule in mesh_cfg.rules:
     if len(rule) != 2 or not isinstance(rule[0], str):
-      _fail("mesh.rules", rule, "each rule must be (logical_axis, mesh_axis or tuple of them)")
+      _fail(f"{key}.rules", rule,
+            "each rule must be (logical_axis, mesh_axis or tuple of them)")
     targets = (rule[1],) if isinstance(rule[1], str) or rule[1] is None else tuple(rule[1])
     for target in targets:
       if target is not None and target not in sharding.MESH_AXES:
-        _fail("mesh.rules", rule, f"mesh axis {target!r} is not one of {sharding.MESH_AXES} "
-              "(rules may name axes the mesh lacks; those are ignored)")
+        _fail(f"{key}.rules", rule, f"mesh axis {target!r} is not one of "
+              f"{sharding.MESH_AXES} (rules may name axes the mesh lacks; those are ignored)")
+  num_devices = jax.device_count() if num_devices is None else num_devices
+  try:
+    resolved = sharding.resolve_mesh_shape(shape, num_devices)
+  except sharding.MeshError as e:
+    raise ConfigError(f"config.{key}.shape={shape} is not allowed: {e}") from e
+  return dict(zip(axes, resolved))

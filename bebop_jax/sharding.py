@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -142,13 +143,22 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
   return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
 
 
-_CURRENT: list[tuple[Mesh, tuple]] = []
+class _Current(threading.local):
+  """The stack of current (mesh, rules), per thread: the RL learner and the rollout thread
+  trace their programs for different meshes at the same time."""
+
+  def __init__(self):
+    super().__init__()
+    self.stack: list[tuple[Mesh | None, tuple]] = []
+
+
+_LOCAL = _Current()
 
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
   """Makes `mesh` and `rules` current for `constrain` (None: unsharded)."""
-  _CURRENT.append((mesh, tuple(rules)))
+  _LOCAL.stack.append((mesh, tuple(rules)))
   try:
     if mesh is None:
       yield
@@ -156,18 +166,18 @@ def use_mesh(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
       with jax.set_mesh(mesh):
         yield
   finally:
-    _CURRENT.pop()
+    _LOCAL.stack.pop()
 
 
 def current_mesh() -> Mesh | None:
-  return _CURRENT[-1][0] if _CURRENT else None
+  return _LOCAL.stack[-1][0] if _LOCAL.stack else None
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Constrains an activation's sharding by its logical axes; identity with no mesh."""
-  if not _CURRENT or _CURRENT[-1][0] is None:
+  if not _LOCAL.stack or _LOCAL.stack[-1][0] is None:
     return x
-  mesh, rules = _CURRENT[-1]
+  mesh, rules = _LOCAL.stack[-1]
   spec = logical_to_spec(logical_axes, rules, mesh, x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -5,7 +5,9 @@ is mostly XLA compilation of tiny models, so LLVM optimizes the generated code a
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
@@ -36,3 +38,59 @@ def _release_compiled_after_each_module():
   yield
   from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
   benchmark.release_compiled()
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class RLSource:
+  """SFT and MTP stages of the tiny policy on easy math, shared by the RL stage tests;
+  `config(**rl)` is the RL stage's config from them, with `config.rl` overrides by dotted key
+  (e.g. "train.stop_at_step", "async.enabled")."""
+  data_dir: str
+  workdir: str
+
+  def config(self, **rl: Any):
+    config = _rl_stage_config(self.data_dir, self.workdir)
+    for key, value in rl.items():
+      *path, last = key.split(".")
+      target = config.rl
+      for part in path:
+        target = target[part]
+      target[last] = value
+    return config_lib.validate(config)
+
+
+def _rl_stage_config(data_dir: str, source: str):
+  config = config_lib.load_file(os.path.join(REPO, "configs", "rl_tiny.py"))
+  config.data.data_dir = str(data_dir)
+  # Easy math only, which 100 SFT steps teach the tiny policy partly: RL rewards vary.
+  for name in ("code", "agentic"):
+    config.data.tasks[name].weight = 0.0
+  config.data.tasks.math.knobs.update(max_operands=2, max_value=9, operators="+",
+                                      paren_prob=0.0)
+  config.data.num_train, config.data.num_test, config.data.num_rl = 60, 16, 16
+  config.sft.train.num_steps = 100
+  config.sft.train.log_every = 50
+  config.sft.train.checkpoint_every = 100
+  config.sft.optim.learning_rate = 1e-2
+  config.sft.optim.warmup_steps = 5
+  config.rl.init_from = source
+  config.rl.kl_coef = 0.05
+  config.rl.mtp.strategy = "periodic"
+  config.rl.mtp.every = 2
+  config.rl.eval.num_examples = 8
+  return config
+
+
+@pytest.fixture(scope="session")
+def rl_source(tmp_path_factory) -> RLSource:
+  """The SFT and MTP stages the RL stage tests start from (built once per test process)."""
+  from bebop_jax import stages  # pylint: disable=g-import-not-at-top
+  data_dir = str(tmp_path_factory.mktemp("rl_data"))
+  workdir = str(tmp_path_factory.mktemp("rl_source"))
+  config = config_lib.validate(_rl_stage_config(data_dir, ""))
+  config.stages = ("sft", "mtp")
+  stages.run(config, workdir)
+  return RLSource(data_dir, workdir)

@@ -141,41 +141,6 @@ def test_periodic_strategy_updates_the_drafter_every_n_steps(strategy_runs):
 # ----------------------------------------------------------------------------- the stage
 
 
-def _stage_config(data_dir, source, **rl):
-  config = config_lib.load_file(os.path.join(REPO, "configs", "rl_tiny.py"))
-  config.data.data_dir = str(data_dir)
-  # Easy math only, which 100 SFT steps teach the tiny policy partly: RL rewards vary.
-  for name in ("code", "agentic"):
-    config.data.tasks[name].weight = 0.0
-  config.data.tasks.math.knobs.update(max_operands=2, max_value=9, operators="+",
-                                      paren_prob=0.0)
-  config.data.num_train, config.data.num_test, config.data.num_rl = 60, 16, 16
-  config.sft.train.num_steps = 100
-  config.sft.train.log_every = 50
-  config.sft.train.checkpoint_every = 100
-  config.sft.optim.learning_rate = 1e-2
-  config.sft.optim.warmup_steps = 5
-  config.rl.init_from = source
-  config.rl.kl_coef = 0.05
-  config.rl.mtp.strategy = "periodic"
-  config.rl.mtp.every = 2
-  config.rl.eval.num_examples = 8
-  for key, value in rl.items():
-    config.rl.train[key] = value
-  return config_lib.validate(config)
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-  """SFT and MTP stages, shared by the RL runs."""
-  data_dir = tmp_path_factory.mktemp("data")
-  workdir = str(tmp_path_factory.mktemp("source"))
-  config = _stage_config(data_dir, "")
-  config.stages = ("sft", "mtp")
-  stages.run(config, workdir)
-  return data_dir, workdir
-
-
 def _stored(workdir):
   """{group: leaves} of the RL stage's latest checkpoint, read back as stored."""
   ckpt_dir = os.path.join(stage.stage_dir(workdir), "checkpoints")
@@ -191,18 +156,17 @@ def _rl_records(workdir):
           for r in metrics_lib.read_metrics(workdir, "rl")]
 
 
-def test_rl_stage_resumes_exactly(source, tmp_path):
+def test_rl_stage_resumes_exactly(rl_source, tmp_path):
   """3 RL steps straight against 1 step, a stop, and a resume to 3 (the periodic MTP buffer
   is half full at the stop): the same parameters, optimizer states, buffer and metrics,
   bitwise; and the rollout loop compiles nothing new after the resume."""
-  data_dir, src = source
   straight = str(tmp_path / "straight")
-  summary = stage.run(_stage_config(data_dir, src), straight)
+  summary = stage.run(rl_source.config(), straight)
   assert summary["complete"] and summary["steps"] == 3
   resumed = str(tmp_path / "resumed")
-  assert not stage.run(_stage_config(data_dir, src, stop_at_step=1), resumed)["complete"]
+  assert not stage.run(rl_source.config(**{'train.stop_at_step': 1}), resumed)["complete"]
   size = speculative.start._cache_size()  # pylint: disable=protected-access
-  stage.run(_stage_config(data_dir, src), resumed)
+  stage.run(rl_source.config(), resumed)
   assert speculative.start._cache_size() == size  # pylint: disable=protected-access
   a_state, b_state = _stored(straight), _stored(resumed)
   assert set(a_state) == {"trunk", "mtp", "trunk_opt", "updates", "mtp_opt", "mtp_updates",
@@ -217,4 +181,4 @@ def test_rl_stage_resumes_exactly(source, tmp_path):
   # ran at step 2.
   assert any(r["grad_norm"] > 0 for r in a) and "mtp/alpha_1" in a[1]
   # A rerun of a complete stage does nothing.
-  assert stage.run(_stage_config(data_dir, src), straight) == summary
+  assert stage.run(rl_source.config(), straight) == summary

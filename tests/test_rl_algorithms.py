@@ -34,7 +34,7 @@ def np_advantages(rewards, group_size, mode):
 
 
 def np_policy_loss(lp, behaviour, adv, mask, *, clip_low, clip_high, aggregation,
-                   proximal=None, is_cap=None, ref=None, kl_coef=0.0):
+                   proximal=None, is_cap=None, is_mode="cap", ref=None, kl_coef=0.0):
   """(loss, d loss / d lp) token by token, in float64."""
   b, t = lp.shape
   loss_tok = np.zeros((b, t))
@@ -52,7 +52,7 @@ def np_policy_loss(lp, behaviour, adv, mask, *, clip_low, clip_high, aggregation
     if proximal is not None:
       w = np.exp(proximal[i, j] - behaviour[i, j])
       if is_cap is not None:
-        w = min(w, is_cap)
+        w = min(w, is_cap) if is_mode == "cap" else (0.0 if w > is_cap else w)
       val, grad = val * w, grad * w
     if ref is not None and kl_coef:
       d = ref[i, j] - lp[i, j]
@@ -118,6 +118,7 @@ def test_dynamic_sampling_drops_groups_with_equal_rewards():
 
 
 CASES = [dict(), dict(proximal=True), dict(proximal=True, is_cap=1.1),
+         dict(proximal=True, is_cap=1.1, is_mode="mask"),
          dict(ref=True, kl_coef=0.3), dict(proximal=True, is_cap=1.5, ref=True, kl_coef=0.1)]
 
 
@@ -128,7 +129,7 @@ def test_policy_loss_and_gradient_equal_numpy(aggregation, case, mask_dtype):
   lp, behaviour, proximal, ref, adv, mask = _inputs()
   clip = dict(clip_low=0.2, clip_high=0.28)
   kw = dict(proximal=proximal if case.get("proximal") else None, is_cap=case.get("is_cap"),
-            ref=ref if case.get("ref") else None, kl_coef=case.get("kl_coef", 0.0))
+            is_mode=case.get("is_mode", "cap"), ref=ref if case.get("ref") else None, kl_coef=case.get("kl_coef", 0.0))
   want_loss, want_grad = np_policy_loss(lp, behaviour, adv, mask, aggregation=aggregation,
                                         **clip, **kw)
   f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
@@ -136,7 +137,8 @@ def test_policy_loss_and_gradient_equal_numpy(aggregation, case, mask_dtype):
   def loss(lp_):
     return rl.policy_loss(lp_, f32(behaviour), f32(adv), jnp.asarray(mask.astype(mask_dtype)),
                           aggregation=aggregation, proximal_logprobs=f32(kw["proximal"]),
-                          is_cap=kw["is_cap"], ref_logprobs=f32(kw["ref"]),
+                          is_cap=kw["is_cap"], is_mode=kw["is_mode"],
+                          ref_logprobs=f32(kw["ref"]),
                           kl_coef=kw["kl_coef"], **clip)
 
   (got_loss, metrics), got_grad = jax.value_and_grad(loss, has_aux=True)(f32(lp))
@@ -192,7 +194,7 @@ def test_on_policy_loss_is_the_policy_gradient():
 
 @pytest.mark.parametrize("bad", [dict(clip_low=1.0), dict(clip_low=-0.1),
                                  dict(clip_high=-0.2), dict(aggregation="sum"),
-                                 dict(is_cap=0.0)])
+                                 dict(is_cap=0.0), dict(is_mode="clip")])
 def test_policy_loss_rejects_bad_arguments(bad):
   x = jnp.zeros((2, 3))
   with pytest.raises(ValueError, match=next(iter(bad))):

@@ -12,8 +12,10 @@ Advantages (`ADVANTAGE_MODES`):
 Policy loss per token, with rho = exp(logprobs - anchor):
   l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) [* w] [+ kl_coef k3]
   anchor = proximal_logprobs when given (decoupled PPO), else behaviour_logprobs;
-  w = stop_gradient(exp(proximal - behaviour)), capped at is_cap when set, only with
-  proximal_logprobs (AReaL's off-policy correction for stale rollouts);
+  w = stop_gradient(exp(proximal - behaviour)), only with proximal_logprobs (AReaL's
+  off-policy correction for stale rollouts); with is_cap set, is_mode "cap" uses
+  min(w, is_cap) and "mask" drops the tokens with w > is_cap from the loss (w = 0 there;
+  the aggregation's denominators are unchanged);
   k3 = exp(ref - lp) - (ref - lp) - 1, the KL estimator to a frozen reference, when given.
 Aggregations (`AGGREGATIONS`) over the masked tokens:
   token-mean               sum / number of masked tokens
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 ADVANTAGE_MODES = ("grpo", "drgrpo", "rloo")
+IS_MODES = ("cap", "mask")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 GRPO_EPS = 1e-6
 
@@ -94,7 +97,8 @@ def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
 def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: jax.Array,
                 mask: jax.Array, *, clip_low: float = 0.2, clip_high: float = 0.2,
                 aggregation: str = "token-mean", proximal_logprobs: jax.Array | None = None,
-                is_cap: float | None = None, ref_logprobs: jax.Array | None = None,
+                is_cap: float | None = None, is_mode: str = "cap",
+                ref_logprobs: jax.Array | None = None,
                 kl_coef: float = 0.0, token_weights: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, Any]]:
   """(loss, metrics) of the clipped policy-gradient objective; see the module docstring.
@@ -113,7 +117,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
     A > 0), ratio_mean, kl (k3 to the reference; 0 without one), kl_behaviour (k3 of the
     behaviour policy against the current one), logprob_diff_mean / logprob_diff_max
     (|logprobs - behaviour_logprobs|), and with proximal_logprobs is_weight_mean,
-    is_weight_max (before the cap) and is_capped_frac.
+    is_weight_max (before the cap) and is_capped_frac (the fraction of tokens with
+    w > is_cap: capped, or masked with is_mode "mask").
   """
   if not 0 <= clip_low < 1:
     raise ValueError(f"clip_low={clip_low} is not allowed: must be in [0, 1)")
@@ -121,6 +126,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
     raise ValueError(f"clip_high={clip_high} is not allowed: must be >= 0")
   if is_cap is not None and is_cap <= 0:
     raise ValueError(f"is_cap={is_cap} is not allowed: must be > 0 (None = no cap)")
+  if is_mode not in IS_MODES:
+    raise ValueError(f"is_mode={is_mode!r} is not allowed: one of {IS_MODES}")
   m = jnp.asarray(mask).astype(jnp.float32)
   sg = jax.lax.stop_gradient
   behaviour = jnp.asarray(behaviour_logprobs, jnp.float32)
@@ -138,8 +145,10 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
     metrics["is_weight_mean"] = mean(weight)
     metrics["is_weight_max"] = jnp.max(jnp.where(m > 0, weight, -jnp.inf))
     if is_cap is not None:
-      metrics["is_capped_frac"] = mean((weight > is_cap).astype(jnp.float32))
-      weight = jnp.minimum(weight, is_cap)
+      above = weight > is_cap
+      metrics["is_capped_frac"] = mean(above.astype(jnp.float32))
+      weight = (jnp.minimum(weight, is_cap) if is_mode == "cap"
+                else jnp.where(above, 0.0, weight))
     token_loss = token_loss * weight
   kl = jnp.zeros(())
   if ref_logprobs is not None:

@@ -12,6 +12,8 @@ every step has one shape and the step compiles once):
   token_weights       f32    aggregation weights (rl.aggregation_weights over the update's
                              rows, times the accumulation steps)
   ref_logprobs        f32    reference policy log-probs, only with a KL term
+  proximal_logprobs   f32    the learner's log-probs before the step's updates, only for a
+                             stale batch under the decoupled objective (rl.async)
 Position t holds token t; its log-prob comes from the logits at t - 1.
 """
 
@@ -87,14 +89,17 @@ def make_logprobs_fn(graphdef: nnx.GraphDef, params: sampling.SamplingParams):
 
 
 def make_policy_loss_fn(params: sampling.SamplingParams, *, clip_low: float, clip_high: float,
-                        aggregation: str, kl_coef: float = 0.0):
-  """The RL loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step."""
+                        aggregation: str, kl_coef: float = 0.0, is_cap: float | None = None,
+                        is_mode: str = "cap"):
+  """The RL loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step; with
+  `proximal_logprobs` in the batch, the decoupled objective (is_cap, is_mode)."""
 
   def loss_fn(model, batch) -> tuple[jax.Array, dict[str, Any]]:
     lp = token_logprobs(model, batch["tokens"], batch["segment_ids"], params)
     loss, metrics = algorithms.policy_loss(
         lp, batch["behaviour_logprobs"], batch["advantages"], batch["mask"],
         clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+        proximal_logprobs=batch.get("proximal_logprobs"), is_cap=is_cap, is_mode=is_mode,
         ref_logprobs=batch.get("ref_logprobs"), kl_coef=kl_coef,
         token_weights=batch["token_weights"])
     return loss, dict(metrics, loss=loss)
@@ -114,6 +119,23 @@ def mtp_batch(batch: Mapping[str, np.ndarray], rollouts: Rollouts) -> dict[str, 
   return {"tokens": batch["tokens"], "segment_ids": batch["segment_ids"],
           "positions": np.where(batch["segment_ids"] > 0, positions, 0).astype(np.int32),
           "loss_mask": loss_mask}
+
+
+IS_WEIGHT_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def behaviour_weight_stats(batch: Mapping[str, np.ndarray], is_cap: float) -> dict[str, float]:
+  """The distribution of the behaviour weight exp(proximal - behaviour) over a batch's loss
+  tokens: quantiles, the mean, the maximum and the fraction above `is_cap`."""
+  m = batch["mask"] > 0
+  if not m.any():
+    return {}
+  w = np.exp(batch["proximal_logprobs"][m].astype(np.float64) -
+             batch["behaviour_logprobs"][m].astype(np.float64))
+  out = {f"is_weight_p{round(q * 100)}": float(np.quantile(w, q)) for q in IS_WEIGHT_QUANTILES}
+  out.update(is_weight_batch_mean=float(w.mean()), is_weight_batch_max=float(w.max()),
+             is_weight_above_cap_frac=float((w > is_cap).mean()))
+  return out
 
 
 # ----------------------------------------------------------------------------- the learner
@@ -166,10 +188,17 @@ class Learner:
     self.ref_trunk = jax.tree.map(jnp.copy, self.trunk) if rl.kl_coef > 0 else None
     self.ref_fn = (make_logprobs_fn(self.graphdef, self.sampling)
                    if self.ref_trunk is not None else None)
+    asynchronous = rl["async"]
+    # The decoupled objective for stale batches: proximal log-probs recomputed under the
+    # learner's parameters before the step's updates (rl.async.off_policy).
+    self.decoupled = asynchronous.enabled and asynchronous.off_policy == "decoupled"
+    self.is_cap = float(asynchronous.is_cap)
     self._policy_fn = trainer.make_train_step(self.graphdef, make_policy_loss_fn(
         self.sampling, clip_low=rl.clip_low, clip_high=rl.clip_high,
-        aggregation=rl.aggregation, kl_coef=rl.kl_coef), self.tx, schedule,
-        rl.train.grad_accum_steps)
+        aggregation=rl.aggregation, kl_coef=rl.kl_coef, is_cap=self.is_cap,
+        is_mode=asynchronous.is_mode), self.tx, schedule, rl.train.grad_accum_steps)
+    self.logprobs_fn = (make_logprobs_fn(self.graphdef, self.sampling) if self.decoupled
+                        else None)
     self._compiled: dict[tuple[str, int], tuple[trainer.CompiledStep, Any]] = {}
     self.mtp_opt = self.mtp_updates = self.buffer = None
     if self.strategy != "frozen":
@@ -192,6 +221,8 @@ class Learner:
         self.buffer = {k: np.zeros((rl.mtp.every, self.rows, seq_len), np.int32)
                        for k in _MTP_KEYS}
     self._step("policy", seq_len)  # the longest shape ahead of time; shorter ones on first use
+    if self.decoupled:
+      self._step("policy_proximal", seq_len)
     if self.strategy != "frozen":
       self._step("mtp", seq_len)
 
@@ -200,12 +231,14 @@ class Learner:
     shardings)."""
     key = (kind, length)
     if key not in self._compiled:
-      if kind == "policy":
+      if kind.startswith("policy"):
         example = with_token_weights(learner_batch(
             _empty_rollouts(self.update_rows, length), np.zeros(self.update_rows), length),
             self.rl.aggregation, self.rl.train.grad_accum_steps)
         if self.ref_trunk is not None:
           example["ref_logprobs"] = np.zeros((self.update_rows, length), np.float32)
+        if kind == "policy_proximal":
+          example["proximal_logprobs"] = np.zeros((self.update_rows, length), np.float32)
         state = trainer.TrainState(self.trunk, self.mtp, self.trunk_opt, self.updates)
         fn, tx = self._policy_fn, self.tx
       else:
@@ -262,9 +295,15 @@ class Learner:
 
   # -------------------------------------------------------------- one RL step
 
-  def update(self, rollouts: Rollouts, step: int) -> dict[str, float]:
+  def update(self, rollouts: Rollouts, step: int, stale: bool = False) -> dict[str, float]:
     """The policy updates (and the drafter's, per strategy) of RL step `step` (0-based) on
-    one batch of `rows` rollouts in groups; returns the step's learner metrics."""
+    one batch of `rows` rollouts in groups; returns the step's learner metrics.
+
+    `stale`: some rows were sampled by older parameters than the learner's; under the
+    decoupled objective the proximal log-probs are then recomputed (one forward) and anchor
+    the clip, with the behaviour weight exp(proximal - behaviour) capped or masked (a fresh
+    batch needs none: its proximal policy is its behaviour policy).
+    """
     rl = self.rl
     start = time.perf_counter()
     if rollouts.num_rows != self.rows:
@@ -278,7 +317,14 @@ class Learner:
     if self.ref_fn is not None:
       full["ref_logprobs"] = np.asarray(self.ref_fn(self.ref_trunk, self.mtp, full["tokens"],
                                                     full["segment_ids"]))
-    compiled, batch_sh = self._step("policy", length)
+    weight_stats = {}
+    kind = "policy"
+    if stale and self.decoupled:
+      kind = "policy_proximal"
+      full["proximal_logprobs"] = np.asarray(self.logprobs_fn(
+          self.trunk, self.mtp, full["tokens"], full["segment_ids"]))
+      weight_stats = behaviour_weight_stats(full, self.is_cap)
+    compiled, batch_sh = self._step(kind, length)
     size = self.update_rows
     results = []
     for _ in range(rl.epochs):
@@ -295,6 +341,7 @@ class Learner:
     # difference, measured for free.
     metrics["sampler_learner_logprob_diff_mean"] = float(results[0]["logprob_diff_mean"])
     metrics["sampler_learner_logprob_diff_max"] = float(results[0]["logprob_diff_max"])
+    metrics.update(weight_stats)
     metrics["dropped_frac"] = float(1 - keep.mean()) if keep is not None else 0.0
     metrics["learner_length"] = length
     metrics["learner_compiles"] = self.num_compiled

@@ -30,6 +30,7 @@ key of step s is fold_in(seed, s)) or skips a complete stage.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -45,7 +46,9 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
+from bebop_jax.rl import placement as placement_lib
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import mtp as mtp_stage
@@ -63,7 +66,7 @@ def read_summary(workdir: str) -> dict[str, Any] | None:
   return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
 
 
-def source_workdir(config: ml_collections.ConfigDict, workdir: str) -> str:
+def feedworkdir(config: ml_collections.ConfigDict, workdir: str) -> str:
   return (os.path.abspath(os.path.expanduser(config.rl.init_from)) if config.rl.init_from
           else workdir)
 
@@ -72,7 +75,7 @@ def load_initial_policy(config: ml_collections.ConfigDict, workdir: str
                         ) -> tuple[nnx.GraphDef, nnx.State, str]:
   """(graphdef, parameters, which stage) the RL stage starts from: the MTP stage's policy
   and drafter when it completed in the source workdir, else the SFT policy."""
-  source = source_workdir(config, workdir)
+  source = feedworkdir(config, workdir)
   if mtp_stage.read_summary(source) is not None:
     graphdef, params = mtp_stage.load_policy(config, source)
     return graphdef, params, "mtp"
@@ -174,15 +177,19 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     print(f"[rl] complete in {stage_dir(workdir)} ({done['steps']} steps): skipping")
     return done
   c = config.rl
+  asynchronous = c["async"]
+  eta = asynchronous.max_staleness if asynchronous.enabled else 0
   os.makedirs(stage_dir(workdir), exist_ok=True)
   stage_start = time.perf_counter()
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-  rules = tuple(tuple(r) for r in config.mesh.rules)
+  place = placement_lib.make_placement(config)
   graphdef, params0, source = load_initial_policy(config, workdir)
   seq_len = c.max_prompt_len + c.rollout.max_new_tokens
-  learn = learner.Learner(c, graphdef, params0, mesh=mesh, rules=rules, seq_len=seq_len)
+  learn = learner.Learner(c, graphdef, params0, mesh=place.learner_mesh,
+                          rules=place.learner_rules, seq_len=seq_len)
+  loop = (f"async (max_staleness {eta}, interrupt {asynchronous.interrupt}, off-policy "
+          f"{asynchronous.off_policy})" if asynchronous.enabled else "sync")
   print(f"[rl] updates compiled in {learn.compile_seconds:.1f}s (policy from the {source} "
-        f"stage, MTP strategy {c.mtp.strategy})")
+        f"stage, MTP strategy {c.mtp.strategy}); {loop}; {place.describe()}")
 
   prompts = iter(pipeline.rl_prompt_dataset(
       config.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
@@ -196,53 +203,74 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                     data_iterator=prompts)
     learn.load_state_tree(restored)
     start_step = int(restored["rl_step"])
-    print(f"[rl] resumed from step {start_step}")
+    print(f"[rl] resumed from step {start_step} (policy version {start_step})")
 
-  # The rollout side samples with its own copy of each version's parameters (colocated: the
-  # first device; [3/7] places it on its own sub-mesh).
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  # The rollout side samples with its own copy of each version's parameters: the newest in
+  # the weight store (version = RL steps done).
+  store = async_loop.WeightStore(place.to_rollout(learn.params()), start_step)
   names = [n for n in tasks_lib.TASK_NAMES if config.data.tasks[n].weight > 0]
   task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in names}
-  engine = rollout.JaxEngine(graphdef, jax.device_put(learn.params(), device), task_objs,
-                             rollout_settings(config), policy_version=start_step)
   examples = {n: pipeline.eval_examples(config.data, n, c.eval.num_examples) for n in names}
+
+  def held_out() -> dict[str, Any]:
+    with store.read() as (params, _), place.rollout_context():
+      return evaluate(config, graphdef, params, examples, task_objs)
+
   evals_path = os.path.join(stage_dir(workdir), "evals.json")
   evals = {k: v for k, v in (metrics_lib.read_json(evals_path) or {}).items()
            if int(k) <= start_step}
   if "0" not in evals:
-    evals["0"] = evaluate(config, graphdef, engine.params, examples, task_objs)
+    evals["0"] = held_out()
     metrics_lib.write_json_atomic(evals_path, evals)
   print(f"[rl] held-out at step {max(int(k) for k in evals)}: "
         f"{_describe_eval(evals[str(max(int(k) for k in evals))])}")
 
   num_steps = c.train.num_steps
+  end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
+  produce = _make_producer(config, graphdef, task_objs, store, place,
+                           tuple(c.acceptance_modes), learn.buckets)
+
+  def draw():
+    batch = next(prompts)
+    return batch, async_loop.capture_state(prompts)
+
+  if asynchronous.enabled:
+    feed = async_loop.RolloutWorker(
+        # Like a preemption, stop_at_step does not tell the worker: it may have drawn and
+        # sampled batches past the stop, which the checkpoint must not count.
+        produce, draw, store, start=start_step, end=num_steps, max_staleness=eta,
+        queue_size=asynchronous.queue_size, max_restarts=asynchronous.max_restarts)
+  else:
+    feed = async_loop.InlineSource(produce, draw, start_step)
+
   writer = metrics_lib.MetricsWriter(workdir, STAGE, resume_step=start_step)
   progress = metrics_lib.Progress(num_steps, start_step, STAGE, disable=not c.train.progress)
-  end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
-  base_key = jax.random.key(config.seed + 101)
   step = start_step
+  feed.start()
   try:
     while step < end:
       t0 = time.perf_counter()
-      batch = next(prompts)
-      exs = [tasks_lib.Example.from_json(x) for x in batch["example_json"]]
-      rollouts = engine.generate(exs, jax.random.fold_in(base_key, step))
-      metrics = _batch_metrics(rollouts, c.group_size)
-      metrics["rollout_s"] = time.perf_counter() - t0
-      t1 = time.perf_counter()
-      for mode, alpha in _teacher_forced(graphdef, engine.params, rollouts,
-                                         tuple(c.acceptance_modes), c.rollout.temperature,
-                                         c.rollout.batch_size, learn.buckets).items():
-        metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
-      metrics["diagnostics_s"] = time.perf_counter() - t1
-      metrics.update(learn.update(rollouts, step))
+      depth = feed.queue_depth()  # batches ready when the learner asks
+      batch = feed.get()
+      waited = time.perf_counter() - t0
+      staleness = async_loop.check_batch(batch, step, eta)
+      metrics = dict(batch.metrics)
+      metrics.update(learn.update(batch.rollouts, step, stale=bool(staleness.max() > 0)))
       step += 1
-      engine.update_params(jax.device_put(learn.params(), device), policy_version=step)
+      t1 = time.perf_counter()
+      sync_wait = store.publish(lambda: jax.block_until_ready(place.to_rollout(learn.params())),
+                                step)
+      metrics.update(async_loop.staleness_metrics(staleness, eta))
       work = metrics["rollout_s"] + metrics["learner_s"] + metrics["mtp_update_s"]
-      metrics.update(step_s=work, rollout_share=metrics["rollout_s"] / work,
-                     policy_version=step)
+      metrics.update(
+          sync_s=time.perf_counter() - t1, sync_wait_s=sync_wait, learner_idle_s=waited,
+          rollout_idle_s=batch.idle_s, queue_depth=depth, rollout_restarts=feed.restarts,
+          rollout_attempts=batch.attempts, step_s=time.perf_counter() - t0,
+          rollout_share=metrics["rollout_s"] / work, policy_version=step,
+          rollout_version_min=int(batch.rollouts.versions.min()),
+          rollout_version_max=int(batch.rollouts.versions.max()))
       if c.train.eval_every and step % c.train.eval_every == 0 and step < num_steps:
-        evals[str(step)] = evaluate(config, graphdef, engine.params, examples, task_objs)
+        evals[str(step)] = held_out()
         metrics.update({f"eval/pass_at_1/{n}": v
                         for n, v in evals[str(step)]["pass_at_1"].items()})
         metrics_lib.write_json_atomic(evals_path, evals)
@@ -251,8 +279,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       progress.update(1, reward=metrics["reward_mean"])
       if step % c.train.checkpoint_every == 0 or step == end:
         checkpointer.save(step, dict(learn.state_tree(), rl_step=jnp.int32(step)),
-                          data_iterator=prompts)
+                          data_iterator=async_loop.SavedIteratorState(batch.iterator_state))
   finally:
+    feed.stop()
     progress.close()
     writer.close()
     checkpointer.close()
@@ -260,13 +289,63 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     print(f"[rl] stopped at step {step} of {num_steps}; rerun to resume")
     return {"steps": step, "complete": False}
   if str(num_steps) not in evals:
-    evals[str(num_steps)] = evaluate(config, graphdef, engine.params, examples, task_objs)
+    evals[str(num_steps)] = held_out()
     metrics_lib.write_json_atomic(evals_path, evals)
   summary = _summary(config, workdir, evals, num_steps, source,
                      time.perf_counter() - stage_start, learn.compile_seconds)
   metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
   print(f"[rl] done: {_describe_eval(evals[str(num_steps)])}")
+  print(f"[rl] {_describe_timing(summary)}")
   return summary
+
+
+def _describe_timing(summary: dict) -> str:
+  t, a = summary["timing"], summary["async"]
+  line = (f"{summary['steps']} steps in {t['step_s']:.1f}s: rollout {t['rollout_s']:.1f}s, "
+          f"learner {t['learner_s'] + t['mtp_update_s']:.1f}s, weight sync {t['sync_s']:.1f}s")
+  if a["enabled"]:
+    line += (f"; idle: learner {t['learner_idle_s']:.1f}s, rollout {t['rollout_idle_s']:.1f}s; "
+             f"staleness max {a['staleness_max']:.0f} mean {a['staleness_mean']:.2f} "
+             f"(bound {a['max_staleness']}); rollout restarts {a['rollout_restarts']}")
+  return line
+
+
+def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
+                   place: placement_lib.Placement, tf_modes, buckets):
+  """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
+  on the rollout side with the newest weights in `store` (between decoding calls too, with
+  rl.async.interrupt), rollout key fold_in(seed + 101, index); then the teacher-forced
+  acceptance of the batch under the newest weights that sampled it."""
+  c = config.rl
+  interrupt = c["async"].enabled and c["async"].interrupt
+  base_key = jax.random.key(config.seed + 101)
+  with store.read() as (params, version):
+    engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(config),
+                               policy_version=version)
+
+  def produce(index: int, batch) -> tuple[rollout.Rollouts, dict[str, Any]]:
+    exs = [tasks_lib.Example.from_json(x) for x in batch["example_json"]]
+    key = jax.random.fold_in(base_key, index)
+    t0 = time.perf_counter()
+    with place.rollout_context(), contextlib.ExitStack() as hold:
+      if interrupt:
+        rollouts = engine.generate(exs, key, weights=store.read)
+        params, _ = hold.enter_context(store.read())  # the newest, for the diagnostics
+      else:
+        params, version = hold.enter_context(store.read())
+        engine.update_params(params, version)
+        rollouts = engine.generate(exs, key)
+      metrics = _batch_metrics(rollouts, c.group_size)
+      metrics["rollout_s"] = time.perf_counter() - t0
+      t1 = time.perf_counter()
+      for mode, alpha in _teacher_forced(graphdef, params, rollouts, tf_modes,
+                                         c.rollout.temperature, c.rollout.batch_size,
+                                         buckets).items():
+        metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
+      metrics["diagnostics_s"] = time.perf_counter() - t1
+    return rollouts, metrics
+
+  return produce
 
 
 def _describe_eval(ev: dict) -> str:
@@ -286,9 +365,12 @@ def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
   # Seconds of the logged steps (every step with log_every 1).
   totals = {k: float(sum(r[k] for r in ordered))
             for k in ("rollout_s", "learner_s", "mtp_update_s")}
+  sides = {k: float(sum(r.get(k, 0.0) for r in ordered))
+           for k in ("step_s", "sync_s", "learner_idle_s", "rollout_idle_s")}
+  asynchronous = config.rl["async"]
   tf_modes = tuple(config.rl.acceptance_modes)
   return {
-      "steps": num_steps, "complete": True, "source_stage": source,
+      "steps": num_steps, "complete": True, "feedstage": source,
       "mtp_strategy": config.rl.mtp.strategy, "rollout_engine": config.rl.rollout.engine,
       "rollout_mode": config.rl.rollout.mode,
       "pass_at_1_before": before["pass_at_1"], "pass_at_1_after": after["pass_at_1"],
@@ -310,6 +392,14 @@ def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
       "eval_by_step": {s: {"pass_at_1": e["pass_at_1"], "pass_at_1_se": e["pass_at_1_se"],
                            "acceptance": {m: r["acceptance"] for m, r in e["modes"].items()}}
                        for s, e in sorted(evals.items(), key=lambda kv: int(kv[0]))},
-      "timing": {**totals, "compile_s": compile_s, "stage_s": seconds,
+      "timing": {**totals, **sides, "compile_s": compile_s, "stage_s": seconds,
                  "rollout_share": totals["rollout_s"] / max(sum(totals.values()), 1e-9)},
+      "async": {
+          "enabled": asynchronous.enabled,
+          "max_staleness": asynchronous.max_staleness if asynchronous.enabled else 0,
+          "staleness_max": max((r.get("staleness_max", 0.0) for r in ordered), default=0.0),
+          "staleness_mean": float(np.mean([r.get("staleness_mean", 0.0) for r in ordered]))
+                            if ordered else 0.0,
+          "rollout_restarts": max((r.get("rollout_restarts", 0) for r in ordered), default=0),
+          "placement": config.rl.placement.mode},
   }

@@ -85,8 +85,10 @@ class Rollouts:
   under the sampling distribution (0 elsewhere); entropy [B, N] float32 raw policy entropy
   at each sampled token (nats); rewards [B] float32; turns [B]; done [B] bool (the
   environment ended the episode); attempted / accepted [B, K] drafts verified / accepted per
-  depth; target_forwards [B] target forwards after each turn's prefill; policy_version: the
-  parameter version that sampled every token; seconds: wall time of `generate`.
+  depth; target_forwards [B] target forwards after each turn's prefill; versions [B] int32
+  the parameter version that sampled each row (every token of a row: weights change only
+  between decoding calls); policy_version: the newest of them; seconds: wall time of
+  `generate`.
   """
   task_ids: np.ndarray
   prompt_tokens: np.ndarray
@@ -104,6 +106,11 @@ class Rollouts:
   target_forwards: np.ndarray
   policy_version: int = 0
   seconds: float = 0.0
+  versions: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.versions is None:
+      self.versions = np.full(len(self.rewards), self.policy_version, np.int32)
 
   @property
   def num_rows(self) -> int:
@@ -147,8 +154,8 @@ class Rollouts:
 
   @staticmethod
   def concatenate(parts: Sequence["Rollouts"]) -> "Rollouts":
-    """Rows of every part, in order (prompts re-padded to the longest; one policy version
-    and the summed seconds)."""
+    """Rows of every part, in order (prompts re-padded to the longest; each row keeps its
+    version; policy_version is the newest, seconds the sum)."""
     if not parts:
       raise ValueError("nothing to concatenate")
     p = max(r.prompt_tokens.shape[1] for r in parts)
@@ -157,7 +164,7 @@ class Rollouts:
     arrays = {f.name: np.concatenate([getattr(r, f.name) for r in padded])
               for f in dataclasses.fields(Rollouts)
               if isinstance(getattr(parts[0], f.name), np.ndarray)}
-    return Rollouts(**arrays, policy_version=parts[-1].policy_version,
+    return Rollouts(**arrays, policy_version=max(r.policy_version for r in parts),
                     seconds=sum(r.seconds for r in parts))
 
 

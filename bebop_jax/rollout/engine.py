@@ -11,7 +11,7 @@ off-policyness) and come free from verification.
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from typing import Callable, ContextManager, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -50,8 +50,29 @@ class JaxEngine(base.RolloutEngine):
                        f"{sorted(self.tasks)}")
     return self.tasks[example.task]
 
-  def generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array
+  def generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array,
+               weights: Callable[[], ContextManager[tuple[nnx.State, int]]] | None = None
                ) -> base.Rollouts:
+    """One rollout per example (see RolloutEngine.generate).
+
+    `weights`, when given, is called before each decoding call of `settings.batch_size`
+    rows and returns a context manager yielding (parameters, version) to decode that call
+    with (asynchronous RL swaps in new weights between calls this way; the context is held
+    while the call runs). Call c then uses the key fold_in(rng, c), and each row keeps the
+    version that sampled it.
+    """
+    if weights is None:
+      return self._generate(examples, rng, self.params, self.policy_version)
+    parts = []
+    bs = self.settings.batch_size
+    for c, first in enumerate(range(0, len(examples), bs)):
+      with weights() as (params, version):
+        parts.append(self._generate(examples[first:first + bs], jax.random.fold_in(rng, c),
+                                    params, version))
+    return base.Rollouts.concatenate(parts)
+
+  def _generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array,
+                params: nnx.State, policy_version: int) -> base.Rollouts:
     start = time.perf_counter()
     s = self.settings
     tok = get_tokenizer()
@@ -67,7 +88,7 @@ class JaxEngine(base.RolloutEngine):
                   prompt_buckets=s.prompt_buckets)
     if s.engine == "speculative":
       episodes = multi_turn.speculative_episodes(
-          self.graphdef, self.params, prompts, envs, rng, mode=s.decode_mode,
+          self.graphdef, params, prompts, envs, rng, mode=s.decode_mode,
           num_draft_steps=self.num_draft_steps, **common)
     else:
       longest = max((len(x) for x in prompts), default=0) + s.max_new_tokens - 1
@@ -76,9 +97,9 @@ class JaxEngine(base.RolloutEngine):
             f"autoregressive multi-turn rollouts decode each turn from the whole context, up "
             f"to {longest} tokens here (the longest prompt + max_new_tokens - 1), but the "
             f"largest prompt bucket is {s.prompt_buckets[-1]}; add a bucket >= {longest}")
-      episodes = multi_turn.autoregressive_episodes(self.graphdef, self.params, prompts, envs,
+      episodes = multi_turn.autoregressive_episodes(self.graphdef, params, prompts, envs,
                                                     rng, **common)
     return base.rollouts_from_episodes(
         episodes, prompts, [tasks_lib.TASK_NAMES.index(ex.task) for ex in examples],
         max_new_tokens=s.max_new_tokens, num_draft_steps=self.num_draft_steps,
-        policy_version=self.policy_version, seconds=time.perf_counter() - start)
+        policy_version=policy_version, seconds=time.perf_counter() - start)

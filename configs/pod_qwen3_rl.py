@@ -1,0 +1,67 @@
+"""Pod-scale shapes: asynchronous RL of a Qwen3-1.7B-like or Qwen3-8B-like policy with one MTP
+module, the learner and the rollouts on two disjoint halves of the devices.
+
+  python -m bebop_jax.main --config=configs/pod_qwen3_rl.py:8b --workdir=gs://.../qwen3_8b
+
+arg: "1p7b" (default) or "8b". rl.placement is split: the first half of the devices is the
+learner sub-mesh (fsdp x tensor 4, as configs/pod_qwen3.py), the rest the rollout sub-mesh
+(data x tensor 4: every rollout replica holds a quarter of the parameters); bfloat16
+parameters and compute. Both RL programs (the policy update and the speculative rollout) are
+compiled ahead of time on a simulated mesh by experiments/aot_compile_rl.py and
+tests/test_rl_aot.py (e.g. 256 devices = 128 + 128); the config validates on 8 to 256
+devices, a power of two (each half a multiple of 4, and the batches below must split over
+the data-parallel sizes).
+"""
+
+from bebop_jax import config as config_lib
+from bebop_jax import sharding
+from bebop_jax.model import config as model_config
+
+_PRESETS = {"1p7b": "qwen3_1p7b", "8b": "qwen3_8b"}
+
+
+def get_config(arg: str | None = None):
+  size = arg or "1p7b"
+  if size not in _PRESETS:
+    raise ValueError(f"configs/pod_qwen3_rl.py:{size} is not allowed: one of "
+                     f"{sorted(_PRESETS)}")
+  config = config_lib.base_config()
+  config.stages = ("rl",)
+  config.model.update(model_config.PRESETS[_PRESETS[size]])
+  # The learner's mesh, also as config.mesh (the SFT / MTP stages' layout).
+  config.mesh.shape = (-1, 4)
+  config.mesh.axes = ("fsdp", "tensor")
+  config.data.batch_size = 256
+  config.mtp.batch_size = 64
+
+  p = config.rl.placement
+  p.mode = "split"
+  p.learner_devices = 0.5
+  p.rollout_devices = 0.0  # the rest
+  p.learner_mesh.shape = (-1, 4)
+  p.learner_mesh.axes = ("fsdp", "tensor")
+  p.learner_mesh.rules = sharding.DEFAULT_RULES
+  p.rollout_mesh.shape = (-1, 4)
+  p.rollout_mesh.axes = ("data", "tensor")
+  p.rollout_mesh.rules = sharding.DEFAULT_RULES  # batch over data; heads, mlp, vocab tensor
+  config.rl["async"].enabled = True
+  config.rl["async"].max_staleness = 1
+
+  # 512 rollouts a step in 4 updates of 128 rows of up to 512 + 1024 tokens, each update 4
+  # accumulated microbatches (on 128 learner devices one row per data-parallel shard: the
+  # activations of the 8B policy's update at 4 rows a shard take ~75 GiB a device, at 1
+  # ~22 GiB, by the CPU compiler's memory analysis).
+  config.rl.prompts_per_batch = 64
+  config.rl.group_size = 8
+  config.rl.max_prompt_len = 512
+  config.rl.minibatches = 4
+  config.rl.train.grad_accum_steps = 4
+  config.rl.rollout.max_new_tokens = 1024
+  config.rl.rollout.batch_size = 256
+  config.rl.train.num_steps = 1000
+  config.rl.train.checkpoint_every = 50
+  config.rl.train.eval_every = 100
+  config.rl.optim.learning_rate = 1e-6
+  config.rl.eval.num_examples = 256
+  config.eval.batch_size = 256
+  return config
