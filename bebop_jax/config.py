@@ -161,8 +161,9 @@ def base_config() -> ml_collections.ConfigDict:
       rollout_devices=0.0,         # split: the same; 0 = the rest
       learner_mesh=_mesh_defaults(), rollout_mesh=_mesh_defaults()))
   # Asynchronous RL (bebop_jax.rl.async_loop): a rollout thread fills a bounded queue while
-  # the learner trains; off = the synchronous loop.
-  c.rl["async"] = ml_collections.ConfigDict(dict(
+  # the learner trains; off = the synchronous loop. (Not "async": a Python keyword cannot be
+  # a --config.rl.<key> override path.)
+  c.rl.asynchronous = ml_collections.ConfigDict(dict(
       enabled=False,
       max_staleness=1,             # eta: no batch is sampled more than eta versions back
       queue_size=0,                # batches ready ahead of the learner; 0 = eta + 1
@@ -358,7 +359,7 @@ def _validate_mtp(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_placement(config: ml_collections.ConfigDict, data_parallel: int) -> int:
-  """rl.placement and rl.async; returns the learner's data-parallel size."""
+  """rl.placement and rl.asynchronous; returns the learner's data-parallel size."""
   import jax  # pylint: disable=g-import-not-at-top
   from bebop_jax.rl import placement as placement_lib  # pylint: disable=g-import-not-at-top
   p = config.rl.placement
@@ -373,23 +374,25 @@ def _validate_placement(config: ml_collections.ConfigDict, data_parallel: int) -
     sizes = _validate_mesh(p.learner_mesh, "rl.placement.learner_mesh", len(learner))
     _validate_mesh(p.rollout_mesh, "rl.placement.rollout_mesh", len(rollout))
     data_parallel = _data_parallel(sizes, p.learner_mesh.rules)[0]
-  a = config.rl["async"]
+  a = config.rl.asynchronous
   if not isinstance(a.enabled, bool):
-    _fail("rl.async.enabled", a.enabled, "must be True or False")
+    _fail("rl.asynchronous.enabled", a.enabled, "must be True or False")
   if not isinstance(a.max_staleness, int) or a.max_staleness < 0:
-    _fail("rl.async.max_staleness", a.max_staleness, "must be an int >= 0 (0 = on-policy)")
+    _fail("rl.asynchronous.max_staleness", a.max_staleness,
+          "must be an int >= 0 (0 = on-policy)")
   if not isinstance(a.queue_size, int) or a.queue_size < 0:
-    _fail("rl.async.queue_size", a.queue_size, "must be an int >= 0 (0 = max_staleness + 1)")
+    _fail("rl.asynchronous.queue_size", a.queue_size,
+          "must be an int >= 0 (0 = max_staleness + 1)")
   if not isinstance(a.interrupt, bool):
-    _fail("rl.async.interrupt", a.interrupt, "must be True or False")
+    _fail("rl.asynchronous.interrupt", a.interrupt, "must be True or False")
   if a.off_policy not in ("decoupled", "none"):
-    _fail("rl.async.off_policy", a.off_policy, "one of ('decoupled', 'none')")
+    _fail("rl.asynchronous.off_policy", a.off_policy, "one of ('decoupled', 'none')")
   if not isinstance(a.is_cap, (int, float)) or a.is_cap <= 0:
-    _fail("rl.async.is_cap", a.is_cap, "must be a number > 0")
+    _fail("rl.asynchronous.is_cap", a.is_cap, "must be a number > 0")
   if a.is_mode not in ("cap", "mask"):
-    _fail("rl.async.is_mode", a.is_mode, "one of ('cap', 'mask')")
+    _fail("rl.asynchronous.is_mode", a.is_mode, "one of ('cap', 'mask')")
   if not isinstance(a.max_restarts, int) or a.max_restarts < 0:
-    _fail("rl.async.max_restarts", a.max_restarts, "must be an int >= 0")
+    _fail("rl.asynchronous.max_restarts", a.max_restarts, "must be an int >= 0")
   return data_parallel
 
 

@@ -44,8 +44,8 @@ def get_config(arg: str | None = None):
   p.rollout_mesh.shape = (-1, 4)
   p.rollout_mesh.axes = ("data", "tensor")
   p.rollout_mesh.rules = sharding.DEFAULT_RULES  # batch over data; heads, mlp, vocab tensor
-  config.rl["async"].enabled = True
-  config.rl["async"].max_staleness = 1
+  config.rl.asynchronous.enabled = True
+  config.rl.asynchronous.max_staleness = 1
 
   # 512 rollouts a step in 4 updates of 128 rows of up to 512 + 1024 tokens, each update 4
   # accumulated microbatches (on 128 learner devices one row per data-parallel shard: the

@@ -47,7 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class RLSource:
   """SFT and MTP stages of the tiny policy on easy math, shared by the RL stage tests;
   `config(**rl)` is the RL stage's config from them, with `config.rl` overrides by dotted key
-  (e.g. "train.stop_at_step", "async.enabled")."""
+  (e.g. "train.stop_at_step", "asynchronous.enabled")."""
   data_dir: str
   workdir: str
 

@@ -31,7 +31,7 @@ class Stream:
 
 def _producer(store, rng, *, chunks, delay, faults=None, sampled_ahead=None):
   """produce(index, prompts): `chunks` decoding calls, each under the newest weights (as with
-  rl.async.interrupt), random sleeps; `faults(index, attempt)` may raise."""
+  rl.asynchronous.interrupt), random sleeps; `faults(index, attempt)` may raise."""
   attempts = {}
 
   def produce(index, prompts):

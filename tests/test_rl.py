@@ -1,7 +1,9 @@
 """The RL learner and stage: real learning, what each MTP strategy updates, exact resume."""
 
+import glob
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -13,10 +15,11 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import stages
 from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import pipeline
 from bebop_jax.decoding import speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
-from bebop_jax.rl import learner, stage
+from bebop_jax.rl import bench, learner, stage
 from bebop_jax.tasks import base
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
@@ -182,3 +185,149 @@ def test_rl_stage_resumes_exactly(rl_source, tmp_path):
   assert any(r["grad_norm"] > 0 for r in a) and "mtp/alpha_1" in a[1]
   # A rerun of a complete stage does nothing.
   assert stage.run(rl_source.config(), straight) == summary
+
+
+# ----------------------------------------------------------------------------- async RL
+
+SPLIT = {"placement.mode": "split", "placement.learner_devices": 2,
+         "placement.rollout_devices": 2}
+ASYNC = {"asynchronous.enabled": True, **SPLIT}
+
+
+
+def _records(workdir):
+  """Logged RL metrics without wall-clock and queue bookkeeping (which differ run to run) and
+  the compile count (the async learner also compiles the decoupled update up front)."""
+  drop = ("queue_depth", "rollout_restarts", "rollout_attempts", "learner_compiles")
+  return [{k: v for k, v in r.items()
+           if not (k.endswith("_s") or k.endswith("share") or k == "time" or k in drop)}
+          for r in metrics_lib.read_metrics(workdir, "rl")]
+
+
+def _assert_same_run(a, b):
+  sa, sb = _stored(a), _stored(b)
+  assert set(sa) == set(sb)
+  for group, leaves in sa.items():
+    assert all(np.array_equal(x, y) for x, y in zip(leaves, sb[group])), group
+  ra, rb = _records(a), _records(b)
+  assert [r["step"] for r in ra] == [1, 2, 3] and ra == rb
+
+
+@pytest.fixture(scope="module")
+def sync_split(rl_source, tmp_path_factory):
+  """The synchronous loop on split sub-meshes (2 learner + 2 rollout devices), 3 steps."""
+  workdir = str(tmp_path_factory.mktemp("sync_split"))
+  summary = stage.run(rl_source.config(**SPLIT), workdir)
+  assert summary["complete"] and not summary["async"]["enabled"]
+  records = metrics_lib.read_metrics(workdir, "rl")
+  assert any(r["grad_norm"] > 0 for r in records)  # rewards varied: the policy moved
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def async_split(rl_source, tmp_path_factory):
+  """The async loop with max_staleness 0 on the same sub-meshes, 3 steps."""
+  workdir = str(tmp_path_factory.mktemp("async_split"))
+  summary = stage.run(rl_source.config(**ASYNC, **{"asynchronous.max_staleness": 0}), workdir)
+  assert summary["async"]["enabled"] and summary["async"]["staleness_max"] == 0
+  return workdir
+
+
+def test_async_with_max_staleness_0_is_the_synchronous_loop_exactly(sync_split, async_split):
+  """The rollout thread with eta = 0 samples every batch with the learner's current weights:
+  the same parameters, optimizer states, drafter buffer and metrics, bit for bit."""
+  _assert_same_run(sync_split, async_split)
+
+
+def test_the_speed_benchmark_reads_the_arms_it_finds_complete(sync_split, async_split, tmp_path,
+                                                              rl_source):
+  """bench.run_arms over finished arms (the two runs above as speculative sync and async):
+  it reuses them and derives every number of its table from their metrics."""
+  for arm, workdir in (("speculative_sync", sync_split), ("speculative_async", async_split)):
+    os.symlink(workdir, tmp_path / arm)
+  out = bench.run_arms(rl_source.config(), str(tmp_path),
+                       ["speculative_sync", "speculative_async"], split=True, warmup=1)
+  arms = out["arms"]
+  for a in arms.values():
+    assert a["steps"] == 3 and a["step_s"] > 0 and 0 < a["rollout_share"] < 1
+    assert [s for s, _ in a["held_out"]] == [0, 3]
+  assert arms["speculative_sync"]["held_out"] == arms["speculative_async"]["held_out"]
+  curve = arms["speculative_sync"]["held_out"]
+  assert out["target"] == curve[-1][1]
+  first = next(step for step, value in curve if value >= out["target"])
+  assert arms["speculative_sync"]["time_to_target_s"] == pytest.approx(
+      sum(r["step_s"] for r in metrics_lib.read_metrics(sync_split, "rl") if r["step"] <= first))
+  assert set(out["ratios"]) == {"speculative_async"}
+  json.dumps(out)
+
+
+def test_a_crashing_rollout_thread_loses_and_repeats_no_batch(rl_source, sync_split, tmp_path,
+                                                              monkeypatch):
+  """The rollout thread dies mid-way through batch 1 (after decoding it, before queueing);
+  it is restarted, resumes at batch 1 with the same prompts, and the run equals the
+  synchronous one bit for bit (eta = 0 makes it deterministic)."""
+  calls = {"n": 0}
+  generate = rollout.JaxEngine.generate
+
+  def flaky(self, examples, rng, weights=None):
+    out = generate(self, examples, rng, weights=weights)
+    if threading.current_thread().name == "rollout-worker":
+      calls["n"] += 1
+      if calls["n"] == 2:
+        raise RuntimeError("injected rollout failure")
+    return out
+
+  monkeypatch.setattr(rollout.JaxEngine, "generate", flaky)
+  workdir = str(tmp_path / "crash")
+  summary = stage.run(rl_source.config(**ASYNC, **{"asynchronous.max_staleness": 0}), workdir)
+  assert calls["n"] == 4 and summary["async"]["rollout_restarts"] == 1
+  _assert_same_run(sync_split, workdir)
+  attempts = [r["rollout_attempts"] for r in metrics_lib.read_metrics(workdir, "rl")]
+  assert attempts == [1, 2, 1]
+
+
+def test_versions_and_the_staleness_bound_survive_a_resume(rl_source, tmp_path):
+  """eta = 2 with weights swapped between decoding calls: a stop at step 2 while the worker
+  has drawn batches ahead, then a resume to 4. Every consumed batch is within the bound, the
+  versions continue from the checkpoint, and the checkpoint's prompt-stream position is the
+  one after the last consumed batch (not the worker's)."""
+  workdir = str(tmp_path / "resume")
+  overrides = {**ASYNC, "asynchronous.max_staleness": 2, "asynchronous.interrupt": True,
+               "rollout.batch_size": 4, "train.num_steps": 4, "train.checkpoint_every": 2}
+  assert not stage.run(rl_source.config(**overrides, **{"train.stop_at_step": 2}),
+                       workdir)["complete"]
+  config = rl_source.config(**overrides)
+  ckpt_dir = os.path.join(stage.stage_dir(workdir), "checkpoints")
+  fresh = lambda: iter(pipeline.rl_prompt_dataset(
+      config.data, prompts_per_batch=config.rl.prompts_per_batch,
+      group_size=config.rl.group_size, max_prompt_len=config.rl.max_prompt_len,
+      seed=config.seed))
+  reference = fresh()
+  batches = [next(reference)["example_json"].tolist() for _ in range(3)]
+  with checkpoint_lib.Checkpointer(ckpt_dir) as ckpt:
+    assert ckpt.latest_step() == 2
+  tree = ocp.StandardCheckpointer().restore(os.path.join(ckpt_dir, "2", "state"))
+  assert int(tree["rl_step"]) == 2
+  it = fresh()
+  state_file, = glob.glob(os.path.join(ckpt_dir, "2", checkpoint_lib.DATA_ITEM, "*.json"))
+  it.set_state(json.loads(open(state_file).read()))
+  assert next(it)["example_json"].tolist() == batches[2]
+
+  summary = stage.run(config, workdir)
+  assert summary["complete"] and summary["async"]["staleness_max"] <= 2
+  records = metrics_lib.read_metrics(workdir, "rl")
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  for r in records:
+    assert r["policy_version"] == r["step"]
+    assert r["step"] - 1 - 2 <= r["rollout_version_min"] <= r["rollout_version_max"] < r["step"]
+    assert r["staleness_max"] <= 2
+    assert sum(r[f"staleness_hist_{k}"] for k in range(3)) == pytest.approx(1.0)
+  # After the resume the store starts at the checkpoint's version 2.
+  assert records[2]["rollout_version_min"] == 2
+  # Stale batches were trained with the decoupled objective: behaviour weights near 1.
+  stale = [r for r in records if r["staleness_max"] > 0]
+  for r in stale:
+    assert 0.5 < r["is_weight_p50"] < 2.0 and 0 <= r["is_weight_above_cap_frac"] <= 1
+  fresh_rows = [r for r in records if r["staleness_max"] == 0]
+  for r in fresh_rows:
+    assert "is_weight_p50" not in r

@@ -129,7 +129,8 @@ def test_policy_loss_and_gradient_equal_numpy(aggregation, case, mask_dtype):
   lp, behaviour, proximal, ref, adv, mask = _inputs()
   clip = dict(clip_low=0.2, clip_high=0.28)
   kw = dict(proximal=proximal if case.get("proximal") else None, is_cap=case.get("is_cap"),
-            is_mode=case.get("is_mode", "cap"), ref=ref if case.get("ref") else None, kl_coef=case.get("kl_coef", 0.0))
+            is_mode=case.get("is_mode", "cap"), ref=ref if case.get("ref") else None,
+            kl_coef=case.get("kl_coef", 0.0))
   want_loss, want_grad = np_policy_loss(lp, behaviour, adv, mask, aggregation=aggregation,
                                         **clip, **kw)
   f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)

@@ -72,7 +72,7 @@ def test_pod_rl_programs_compile_on_a_simulated_split_pod(tmp_path):
   assert result["rollout"]["mesh"]["shape"] == {"data": 32, "tensor": 4}
   assert result["learner"]["program"] == "policy_update"
   assert result["rollout"]["program"] == "speculative.start"
-  # rl.async decoupled: the stale-batch update with the proximal log-probs.
+  # rl.asynchronous decoupled: the stale-batch update with the proximal log-probs.
   assert "proximal_logprobs" in result["learner"]["batch_keys"]
   assert (result["learner"]["rows"], result["learner"]["length"]) == (128, 512 + 1024)
   assert (result["rollout"]["rows"], result["rollout"]["prompt_len"]) == (256, 512)

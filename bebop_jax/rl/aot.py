@@ -5,7 +5,7 @@
            as `Learner` builds it for its longest length bucket (max_prompt_len +
            max_new_tokens) and one update's rows (prompts_per_batch x group_size /
            minibatches), with the proximal log-probs of the decoupled objective when
-           rl.async is on with off_policy "decoupled", on the learner sub-mesh;
+           rl.asynchronous is on with off_policy "decoupled", on the learner sub-mesh;
   rollout  the speculative rollout's first turn (`speculative.start`: prefill and the
            draft-verify loop) on rl.rollout.batch_size rows of the prompt bucket that holds
            max_prompt_len, with the parameters placed by `Placement.rollout_shardings` and
@@ -78,14 +78,14 @@ def abstract_policy(config: Any) -> tuple[nnx.GraphDef, nnx.State]:
 def learner_example_batch(rl: Any, rows: int, length: int) -> dict[str, np.ndarray]:
   """The policy update's example batch, as `Learner._step` builds it for `rows` rows of
   `length` positions: with ref_logprobs under a KL term and proximal_logprobs under the
-  decoupled objective of rl.async."""
+  decoupled objective of rl.asynchronous."""
   empty = learner_lib._empty_rollouts(rows, length)  # pylint: disable=protected-access
   batch = learner_lib.with_token_weights(
       learner_lib.learner_batch(empty, np.zeros(rows), length), rl.aggregation,
       rl.train.grad_accum_steps)
   if rl.kl_coef > 0:
     batch["ref_logprobs"] = np.zeros((rows, length), np.float32)
-  asynchronous = rl["async"]
+  asynchronous = rl.asynchronous
   if asynchronous.enabled and asynchronous.off_policy == "decoupled":
     batch["proximal_logprobs"] = np.zeros((rows, length), np.float32)
   return batch
@@ -104,7 +104,7 @@ def compile_learner(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   tx, schedule = optimizer_lib.make_optimizer(
       rl.optim, rl.train.num_steps * rl.epochs * rl.minibatches)
   opt_state = jax.eval_shape(tx.init, trunk)
-  asynchronous = rl["async"]
+  asynchronous = rl.asynchronous
   loss_fn = learner_lib.make_policy_loss_fn(
       sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k, rl.rollout.top_p),
       clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation=rl.aggregation,

@@ -6,7 +6,7 @@ publishes after step s (trunk and MTP modules together) are version s + 1. Batch
 prompt stream (0-based) is consumed by learner step b, in order, exactly once.
 
 Staleness. A row sampled by version u and consumed at step b has staleness b - u. With the
-bound eta (`rl.async.max_staleness`) the worker samples batch b only with weights of version
+bound eta (`rl.asynchronous.max_staleness`) the worker samples batch b only with weights of version
 >= b - eta (capacity control: it waits for the learner otherwise), so it never runs more than
 eta versions ahead, and the learner checks every batch it consumes (`check_batch`): a batch
 with a missing or repeated index, or one row older than eta, is an error, never trained on.

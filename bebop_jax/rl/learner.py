@@ -13,7 +13,7 @@ every step has one shape and the step compiles once):
                              rows, times the accumulation steps)
   ref_logprobs        f32    reference policy log-probs, only with a KL term
   proximal_logprobs   f32    the learner's log-probs before the step's updates, only for a
-                             stale batch under the decoupled objective (rl.async)
+                             stale batch under the decoupled objective (rl.asynchronous)
 Position t holds token t; its log-prob comes from the logits at t - 1.
 """
 
@@ -188,9 +188,9 @@ class Learner:
     self.ref_trunk = jax.tree.map(jnp.copy, self.trunk) if rl.kl_coef > 0 else None
     self.ref_fn = (make_logprobs_fn(self.graphdef, self.sampling)
                    if self.ref_trunk is not None else None)
-    asynchronous = rl["async"]
+    asynchronous = rl.asynchronous
     # The decoupled objective for stale batches: proximal log-probs recomputed under the
-    # learner's parameters before the step's updates (rl.async.off_policy).
+    # learner's parameters before the step's updates (rl.asynchronous.off_policy).
     self.decoupled = asynchronous.enabled and asynchronous.off_policy == "decoupled"
     self.is_cap = float(asynchronous.is_cap)
     self._policy_fn = trainer.make_train_step(self.graphdef, make_policy_loss_fn(

@@ -12,18 +12,26 @@ Each RL step:
   4. The drafter: `frozen`, or an MTP-only update (rl.mtp.loss, targets from the current
      policy) on this batch (`online`) or every `every` steps on the rollouts since
      (`periodic`); MTP gradients never reach the trunk.
-  5. The engine samples the next batch with the new parameters (policy version = step).
+  5. The learner publishes the new parameters (version = steps done) to the rollout side
+     (rl.placement: the first device, or the rollout sub-mesh) through the double-buffered
+     weight store; the engine samples the next batch with them.
+With rl.asynchronous.enabled, a rollout thread (async_loop.RolloutWorker) samples batches into a
+bounded queue while the learner trains, never more than max_staleness versions ahead; stale
+batches get the decoupled objective (proximal log-probs recomputed by the learner). With
+max_staleness 0 the run equals the synchronous one bit for bit.
 Metrics of every step go to metrics.jsonl and TensorBoard (stage "rl"): rewards and pass
 rates per task, lengths, entropy, online acceptance per depth, tokens per target forward,
 teacher-forced acceptance per depth in `rl.acceptance_modes` (the batch scored under the
 policy that sampled it), seconds of rollout and learner and the rollout share, clip
 fractions, KL, gradient norm, and the sampler-learner log-prob difference (behaviour
-log-probs against the learner's recomputation under the same parameters, before the update).
+log-probs against the learner's recomputation under the same parameters, before the update);
+versions and staleness, weight-sync, idle and queue figures (docs/rl.md).
 Held-out evaluation (pass@1 per task with its standard error, acceptance per depth per
 `rl.eval.modes`) runs before the first step, every `rl.train.eval_every` steps and at the end.
 
 Workdir: <workdir>/rl/checkpoints (orbax: trunk, MTP modules, both optimizer states, the
-update counters, the periodic buffer, the prompt iterator), rl/evals.json (held-out
+update counters, the periodic buffer, the prompt iterator's position after the last trained
+batch), rl/evals.json (held-out
 evaluations by step), rl/summary.json when complete. A rerun resumes exactly (the rollout
 key of step s is fold_in(seed, s)) or skips a complete stage.
 """
@@ -177,7 +185,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     print(f"[rl] complete in {stage_dir(workdir)} ({done['steps']} steps): skipping")
     return done
   c = config.rl
-  asynchronous = c["async"]
+  asynchronous = c.asynchronous
   eta = asynchronous.max_staleness if asynchronous.enabled else 0
   os.makedirs(stage_dir(workdir), exist_ok=True)
   stage_start = time.perf_counter()
@@ -314,10 +322,10 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
                    place: placement_lib.Placement, tf_modes, buckets):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
   on the rollout side with the newest weights in `store` (between decoding calls too, with
-  rl.async.interrupt), rollout key fold_in(seed + 101, index); then the teacher-forced
+  rl.asynchronous.interrupt), rollout key fold_in(seed + 101, index); then the teacher-forced
   acceptance of the batch under the newest weights that sampled it."""
   c = config.rl
-  interrupt = c["async"].enabled and c["async"].interrupt
+  interrupt = c.asynchronous.enabled and c.asynchronous.interrupt
   base_key = jax.random.key(config.seed + 101)
   with store.read() as (params, version):
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(config),
@@ -367,7 +375,7 @@ def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
             for k in ("rollout_s", "learner_s", "mtp_update_s")}
   sides = {k: float(sum(r.get(k, 0.0) for r in ordered))
            for k in ("step_s", "sync_s", "learner_idle_s", "rollout_idle_s")}
-  asynchronous = config.rl["async"]
+  asynchronous = config.rl.asynchronous
   tf_modes = tuple(config.rl.acceptance_modes)
   return {
       "steps": num_steps, "complete": True, "feedstage": source,
