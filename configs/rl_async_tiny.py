@@ -10,12 +10,14 @@ and its log reports staleness and idle times. It does not show an async speedup
 (experiments/bench_rl.py measures that).
 """
 
+import os
+
 from bebop_jax import config as config_lib
 
 
 def get_config(arg: str | None = None):
   del arg
-  config = config_lib.load_file(__file__.replace("rl_async_tiny.py", "rl_tiny.py"))
+  config = config_lib.load_file(os.path.join(os.path.dirname(__file__), "rl_tiny.py"))
   config.rl.placement.mode = "split"
   config.rl.placement.learner_devices = 2   # devices 0-1: the learner (data-parallel 2)
   config.rl.placement.rollout_devices = 2   # devices 2-3: the rollouts (rows split 2 ways)

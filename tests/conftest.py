@@ -52,14 +52,9 @@ class RLSource:
   workdir: str
 
   def config(self, **rl: Any):
-    config = _rl_stage_config(self.data_dir, self.workdir)
-    for key, value in rl.items():
-      *path, last = key.split(".")
-      target = config.rl
-      for part in path:
-        target = target[part]
-      target[last] = value
-    return config_lib.validate(config)
+    from bebop_jax.rl import bench  # pylint: disable=g-import-not-at-top
+    return config_lib.validate(bench.apply_overrides(
+        _rl_stage_config(self.data_dir, self.workdir), rl))
 
 
 def _rl_stage_config(data_dir: str, source: str):

@@ -28,6 +28,9 @@ def test_arm_stats_leave_out_warmup_and_time_the_target():
   assert a["rollout_share"] == pytest.approx(0.4)
   assert a["held_out"] == [(0, pytest.approx(0.3)), (2, 0.4), (4, 0.6)]
   assert a["time_to_target_s"] == 15.0  # steps 1 (10 s) + 2 (5 s)
+  # Step 0 (before training) never counts as reaching the target.
+  assert bench.arm_stats(_records(4, 2.0, 3.0, 5.0), evals, warmup=1,
+                         target=0.2)["time_to_target_s"] == 15.0
   assert bench.arm_stats(_records(4, 2.0, 3.0, 5.0), evals, warmup=1,
                          target=0.9)["time_to_target_s"] is None
 
@@ -52,3 +55,10 @@ def test_compare_gives_each_ratio_and_its_bound():
 def test_unknown_arm_is_an_error():
   with pytest.raises(ValueError, match="arm='fast_sync' is not allowed"):
     bench.arm_overrides("fast_sync", split=True)
+
+
+def test_default_target_is_halfway_to_the_best_improvement():
+  arm = lambda *curve: {"held_out": list(curve)}
+  arms = {"a": arm((0, 0.5), (8, 0.55), (16, 0.6)), "b": arm((0, 0.5), (8, 0.7))}
+  assert bench.default_target(arms) == pytest.approx(0.6)
+  assert bench.default_target({"a": arm((0, 0.5), (8, 0.45))}) is None

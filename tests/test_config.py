@@ -44,6 +44,15 @@ def test_base_and_experiment_configs_validate():
      "rl.prompts_per_batch x rl.group_size = 32 rollouts"),
     ("rl.optim.trainable", "all", "config.rl.optim.trainable='all' is not allowed"),
     ("rl.eval.modes", (), "config.rl.eval.modes=() is not allowed"),
+    ("rl.placement.mode", "spread", "config.rl.placement.mode='spread' is not allowed: one of "
+     "('colocated', 'split')"),
+    ("rl.asynchronous.max_staleness", -1, "config.rl.asynchronous.max_staleness=-1 is not "
+     "allowed: must be an int >= 0"),
+    ("rl.asynchronous.off_policy", "vtrace", "config.rl.asynchronous.off_policy='vtrace' is "
+     "not allowed: one of ('decoupled', 'none')"),
+    ("rl.asynchronous.is_mode", "clip", "config.rl.asynchronous.is_mode='clip' is not allowed"),
+    ("rl.asynchronous.is_cap", 0.0, "config.rl.asynchronous.is_cap=0.0 is not allowed"),
+    ("mesh.rules", (("batch", "pipeline"),), "mesh axis 'pipeline' is not one of"),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(key, value, message):
   config = config_lib.base_config()

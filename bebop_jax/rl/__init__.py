@@ -3,7 +3,10 @@
 `bebop_jax.rl.advantages(rewards, group_size, mode)` and
 `bebop_jax.rl.policy_loss(logprobs, behaviour_logprobs, advantages, mask, ...)` are the
 algorithms (algorithms.py); learner.py builds learner batches from rollouts and the jitted
-update; stage.py is the `rl` stage of bebop_jax.main.
+update; placement.py puts the learner and the rollouts on one mesh or two sub-meshes;
+async_loop.py is the weight store and the rollout thread of asynchronous RL; stage.py is the
+`rl` stage of bebop_jax.main; bench.py the four-arm speed benchmark; aot.py compiles both RL
+programs ahead of time on a (simulated) split pod.
 """
 
 from bebop_jax.rl.algorithms import (ADVANTAGE_MODES, AGGREGATIONS, advantages,

@@ -9,8 +9,9 @@ Each arm is the `rl` stage from the same SFT/MTP workdir with `rl.rollout.engine
                 medians of the rollout side's and the learner's (policy + drafter) seconds
   rollout_share f = rollout_s / (rollout_s + learner_s), the share of a synchronous step
   time_to_target
-                training seconds (summed step_s) until the held-out mean pass@1 first reaches
-                the target (None if it never does)
+                training seconds (summed step_s) until a held-out evaluation after step 0
+                first reaches the target mean pass@1 (None if none does); the default target
+                is halfway from the starting value to the best value any arm reached
 Across arms:
   decode speedup s = rollout_s(autoregressive, sync) / rollout_s(speculative, sync)
   Amdahl bound of speculative rollouts on a synchronous step: 1 / (1 - f + f / s), f of the
@@ -77,7 +78,7 @@ def arm_stats(records: Sequence[Mapping[str, Any]], evals: Mapping[str, Any], *,
   out["time_to_target_s"] = None
   if target is not None:
     for step, value in curve:
-      if value >= target:
+      if step > 0 and value >= target:
         out["time_to_target_s"] = float(by_step.get(step, 0.0))
         break
   return out
@@ -108,9 +109,15 @@ def compare(arms: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def default_target(arms: Mapping[str, Mapping[str, Any]]) -> float | None:
-  """The lowest final held-out mean pass@1 over the arms: every arm reaches it by its end."""
-  finals = [a["held_out"][-1][1] for a in arms.values() if a["held_out"]]
-  return min(finals) if finals else None
+  """Halfway from the starting held-out mean pass@1 (every arm starts from the same policy
+  and evaluation) to the best any arm reached after step 0; None when no arm improved on
+  its start (then no time to target is measured)."""
+  curves = [a["held_out"] for a in arms.values() if len(a["held_out"]) > 1]
+  if not curves:
+    return None
+  start = curves[0][0][1]
+  best = max(value for curve in curves for step, value in curve if step > 0)
+  return start + (best - start) / 2 if best > start else None
 
 
 def markdown(arms: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, Any],
@@ -129,6 +136,8 @@ def markdown(arms: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, Any],
   lines.append("")
   if target is not None:
     lines.append(f"Target held-out mean pass@1: {target:.3f}.")
+  else:
+    lines.append("No arm's held-out mean pass@1 rose above its start: no time to target.")
   if "decode_speedup" in ratios:
     r = ratios["speculative_sync"]
     lines.append(f"Decode speedup s = {ratios['decode_speedup']:.2f}; speculative sync vs "
