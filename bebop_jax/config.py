@@ -207,6 +207,55 @@ def load_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
   return namespace["get_config"](arg)
 
 
+def load_sweep(path: str, arg: str | None = None,
+               default: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+  """`get_sweep(arg)` of the config file at `path`: a list of override dicts (dotted config
+  keys to values), one per run, as big_vision's configs define them; `default` when the
+  file defines none and a default is given.
+
+  Raises:
+    ConfigError: if the file defines no get_sweep (and there is no default), or an entry is
+      not a dict of dotted keys.
+  """
+  namespace: dict[str, Any] = {"__file__": path, "__name__": "config_file"}
+  with open(path) as f:
+    exec(compile(f.read(), path, "exec"), namespace)  # pylint: disable=exec-used
+  if "get_sweep" not in namespace and default is not None:
+    return list(default)
+  if "get_sweep" not in namespace:
+    raise ConfigError(f"{path} defines no get_sweep(arg): a sweep config returns a list of "
+                      "override dicts from get_sweep")
+  sweep = list(namespace["get_sweep"](arg))
+  for i, entry in enumerate(sweep):
+    if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry):
+      raise ConfigError(f"{path}: get_sweep entry {i} is {entry!r}; each entry must be a "
+                        "dict of dotted config keys to values, e.g. {'mtp.loss': 'ce'}")
+  return sweep
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]
+                    ) -> ml_collections.ConfigDict:
+  """A copy of `config` with `overrides` (dotted keys from the root, e.g. "rl.group_size")
+  set, with the config's type checks.
+
+  Raises:
+    ConfigError: for a key the config does not have, naming the keys it has there.
+  """
+  config = config.copy_and_resolve_references()
+  for key, value in overrides.items():
+    *path, last = key.split(".")
+    node = config
+    for i, part in enumerate(path + [last]):
+      if part not in node:
+        where = ".".join(path[:i])
+        raise ConfigError(f"config.{key} is not a known key; known keys under "
+                          f"config.{where or '.'}: {', '.join(sorted(node.keys()))}")
+      if i < len(path):
+        node = node[part]
+    node[last] = value
+  return config
+
+
 def _fail(key: str, value: Any, allowed: str):
   raise ConfigError(f"config.{key}={value!r} is not allowed: {allowed}")
 

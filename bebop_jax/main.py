@@ -1,15 +1,18 @@
 r"""Entry point: runs the stages a config names.
 
   python -m bebop_jax.main --config=configs/quickstart.py[:arg] \
-      [--config.key=value ...] [--workdir=DIR]
+      [--config.key=value ...] [--workdir=DIR] [--distributed=auto|on|off]
 
 The config file's `get_config(arg)` returns an ml_collections.ConfigDict; it is locked, so an
 override of a key that does not exist is an error, and `bebop_jax.config.validate` rejects bad
-values before any work starts.
+values before any work starts. The terminal shows the stages' lines, progress bars and
+warnings; library INFO logs go to <workdir>/log.txt (`--verbosity=0` keeps them on the
+terminal too).
 """
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 
 from absl import app
@@ -18,6 +21,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
+from bebop_jax import sharding
 from bebop_jax import stages
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -26,6 +30,11 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for checkpoints, metrics and reports "
     "(default: runs/<config file name>).")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", ["auto", "on", "off"],
+    "Call jax.distributed.initialize() before anything else: on every host of a multi-host "
+    "run (TPU pod slice, or a coordinator given by JAX_COORDINATOR_ADDRESS). auto: when the "
+    "environment names several TPU hosts or a coordinator.")
 
 
 def default_workdir(config_path: str) -> str:
@@ -38,12 +47,36 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  to_terminal = flags.FLAGS["verbosity"].present
+  if not to_terminal:  # before JAX starts its backends (they log at INFO)
+    logging.get_absl_handler().setLevel(std_logging.WARNING)
+  if sharding.multihost(_DISTRIBUTED.value, dict(os.environ)):
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize()  # every host runs this same program
+    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
   config = config_lib.validate(_CONFIG.value)
   workdir = os.path.abspath(_WORKDIR.value or default_workdir(
       flags.FLAGS["config"].config_filename))
   os.makedirs(workdir, exist_ok=True)
+  route_logs(workdir, to_terminal=to_terminal)
   logging.info("workdir: %s", os.path.abspath(workdir))
   stages.run(config, workdir)
+
+
+def route_logs(workdir: str, to_terminal: bool = False) -> str:
+  """Library INFO logs (orbax, TFDS, absl) go to <workdir>/log.txt; the terminal keeps the
+  stage lines, progress bars and warnings. With `to_terminal` (an explicit --verbosity)
+  they also stay on the terminal. Returns the log file's path."""
+  path = os.path.join(workdir, "log.txt")
+  handler = std_logging.FileHandler(path)
+  handler.setLevel(std_logging.INFO)
+  handler.setFormatter(logging.PythonFormatter())
+  root = std_logging.getLogger()
+  root.addHandler(handler)
+  root.setLevel(min(root.level or std_logging.INFO, std_logging.INFO))
+  if not to_terminal:
+    logging.get_absl_handler().setLevel(std_logging.WARNING)
+  return path
 
 
 if __name__ == "__main__":

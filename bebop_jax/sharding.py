@@ -185,3 +185,14 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 def data_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
   """Sharding of a batch-major input array: batch over the data axes, the rest replicated."""
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def multihost(mode: str, env: dict[str, str]) -> bool:
+  """Whether to initialise jax.distributed: always ("on"), never ("off"), or ("auto") when
+  `env` names a coordinator or more than one TPU worker host."""
+  if mode not in ("auto", "on", "off"):
+    raise ValueError(f"distributed={mode!r} is not allowed: one of ('auto', 'on', 'off')")
+  if mode != "auto":
+    return mode == "on"
+  hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+  return bool(env.get("JAX_COORDINATOR_ADDRESS")) or len(hosts) > 1

@@ -2,7 +2,8 @@
 
   python -m bebop_jax.main --config=configs/mtp_small.py:loss=e2e_tv \
       --workdir=runs/mtp_small/e2e_tv
-  python experiments/sweep_mtp_losses.py --config=configs/mtp_small.py   # all of SWEEP
+  python -m bebop_jax.sweep --config=configs/mtp_small.py --workdir=runs/mtp_sweep  # get_sweep
+  python experiments/sweep_mtp_losses.py --config=configs/mtp_small.py  # with seeds, a table
 
 Every loss trains from the same SFT checkpoint (mtp.init_from), with freshly initialised MTP
 modules, on the same cached rollouts with the same budget (steps, batch, learning rate), so
@@ -13,8 +14,11 @@ from bebop_jax import config as config_lib
 from bebop_jax.losses.mtp import LOSSES
 from bebop_jax.model import config as model_config
 
-# The sweep: one run per entry, keys are config paths.
-SWEEP = [{"mtp.loss": loss} for loss in LOSSES]
+
+def get_sweep(arg: str | None = None):
+  """One run per MTP objective (override dicts: dotted config keys to values)."""
+  del arg
+  return [{"mtp.loss": loss} for loss in LOSSES]
 
 
 def get_config(arg: str | None = None):

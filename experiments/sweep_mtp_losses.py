@@ -5,8 +5,9 @@ r"""The MTP loss sweep with seeds: one MTP stage per (start, loss, seed), then a
   python experiments/sweep_mtp_losses.py --config=configs/quickstart.py \
       --init_from=runs/quickstart --starts=warm,scratch --seeds=3 --workdir=runs/sweep
 
-A config's SWEEP (a list of override dicts) names the losses; without one, mtp.loss goes over
-bebop_jax.losses.mtp.LOSSES. A seed (`mtp.seed`) changes the drafter's initialisation (from
+The config's get_sweep(arg) (bebop_jax.sweep: a list of override dicts) names the entries;
+without one, mtp.loss goes over bebop_jax.losses.mtp.LOSSES. This script adds seeds, warm
+and scratch starts and the aggregate table to a plain `python -m bebop_jax.sweep`. A seed (`mtp.seed`) changes the drafter's initialisation (from
 scratch) and the data order; every run starts from the same SFT checkpoint, trains on the
 same cached rollouts with the same budget and is evaluated on the same held-out prompts.
 Each run goes to <workdir>/<start>/<loss>/seed<k> and is skipped when complete (resumed when
@@ -36,14 +37,6 @@ _INIT_FROM = flags.DEFINE_string("init_from", None, "Override mtp.init_from (the
 _SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per (start, loss).")
 _STARTS = flags.DEFINE_list("starts", ["config"], "warm (the SFT's jointly trained drafter), "
                             "scratch (re-initialised), or config (as the config says).")
-
-
-def _set(config, key: str, value):
-  *parents, last = key.split(".")
-  node = config
-  for p in parents:
-    node = node[p]
-  node[last] = value
 
 
 def _mean_se(values) -> tuple[np.ndarray, np.ndarray]:
@@ -124,10 +117,8 @@ def main(argv):
   del argv
   from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
   base = os.path.abspath(_WORKDIR.value)
-  namespace = {"__file__": _CONFIG.value}
-  with open(_CONFIG.value) as f:
-    exec(compile(f.read(), _CONFIG.value, "exec"), namespace)  # pylint: disable=exec-used
-  sweep = namespace.get("SWEEP") or [{"mtp.loss": loss} for loss in LOSSES]
+  sweep = config_lib.load_sweep(_CONFIG.value, _ARG.value,
+                               default=[{"mtp.loss": loss} for loss in LOSSES])
   runs = []
   for start in _STARTS.value:
     if start not in ("warm", "scratch", "config"):
@@ -135,11 +126,10 @@ def main(argv):
     before_done = False
     for entry in sweep:
       for seed in range(_SEEDS.value):
-        config = config_lib.load_file(_CONFIG.value, _ARG.value)
+        config = config_lib.apply_overrides(
+            config_lib.load_file(_CONFIG.value, _ARG.value), entry)
         if _INIT_FROM.value:
           config.mtp.init_from = _INIT_FROM.value
-        for key, value in entry.items():
-          _set(config, key, value)
         if start != "config":
           config.mtp.reinit = start == "scratch"
         config.mtp.seed = seed

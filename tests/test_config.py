@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -119,6 +120,11 @@ def test_cli_runs_the_data_stage(tmp_path):
   assert "reward(demonstration) = 1.00" in out.stdout
   assert "SFT batch: tokens (8, 256)" in out.stdout
   assert os.path.exists(tmp_path / "run" / "data_summary.json")
+  # Library INFO logs go to the workdir's log.txt, not the terminal.
+  log = open(tmp_path / "run" / "log.txt").read()
+  assert "workdir: " in log
+  info = [line for line in out.stderr.splitlines() if re.match(r"I\d{4} ", line)]
+  assert not info, info[:5]
 
 
 def test_mesh_that_does_not_match_the_devices_is_a_clear_error():

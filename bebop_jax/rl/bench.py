@@ -181,12 +181,6 @@ def run_arms(config: Any, workdir: str, arms: Sequence[str], *, split: bool,
 
 
 def apply_overrides(config: Any, overrides: Mapping[str, Any]) -> Any:
-  """A copy of `config` with `config.rl` overrides by dotted key."""
-  config = config.copy_and_resolve_references()
-  for key, value in overrides.items():
-    *path, last = key.split(".")
-    target = config.rl
-    for part in path:
-      target = target[part]
-    target[last] = value
-  return config
+  """A copy of `config` with `config.rl` overrides by dotted key (e.g. "rollout.engine")."""
+  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  return config_lib.apply_overrides(config, {f"rl.{k}": v for k, v in overrides.items()})

@@ -219,7 +219,7 @@ def train_loop(*, stage: str, workdir: str, state: TrainState, compiled: Compile
         if flops_per_step:
           last_metrics["model_flops_per_s"] = flops_per_step / step_time
         writer.write(step, last_metrics)
-      progress.update(1, loss=last_metrics.get("loss", float("nan")))
+      progress.update(1, **({"loss": last_metrics["loss"]} if "loss" in last_metrics else {}))
       if eval_fn is not None and (is_last or (loop.eval_every and step % loop.eval_every == 0)):
         last_eval = eval_fn(state)
         writer.write(step, {f"eval/{k}": v for k, v in last_eval.items()})
