@@ -170,3 +170,18 @@ def test_bad_model_and_training_values():
   config.eval.temperatures = (-1.0,)
   with pytest.raises(config_lib.ConfigError, match="eval.temperatures"):
     config_lib.validate(config)
+
+
+def test_the_config_reference_is_current():
+  """docs/configs.md is what `python -m bebop_jax.config` writes (on one CPU device, as a
+  user regenerates it): every key of base_config with its default and validate's text."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "-m", "bebop_jax.config"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300, check=True).stdout
+  with open(os.path.join(REPO, "docs", "configs.md")) as f:
+    assert f.read() == out, "docs/configs.md is stale: python -m bebop_jax.config > docs/configs.md"
+  rows = [line for line in out.splitlines() if line.startswith("| `")]
+  keys = [line.split("`")[1] for line in rows]
+  assert "rl.asynchronous.max_staleness" in keys and "data.tasks.math.knobs.max_value" in keys
+  assert any("must be a positive int" in line for line in rows
+             if line.startswith("| `data.batch_size`"))
