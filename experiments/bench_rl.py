@@ -8,7 +8,7 @@ Every arm runs the `rl` stage from the SFT/MTP stages in --init_from, in --workd
 at least two devices (--simulated_devices=N makes N host devices on a CPU; leave it 0 on a
 GPU/TPU machine), else colocated. It prints and writes (--workdir/bench_rl.{json,md}) seconds
 per RL step, the rollout share, the time to a target held-out reward, the decode speedup and
-the Amdahl and overlap bounds next to the measured ratios (bebop_jax/rl/bench.py); the
+the Amdahl and overlap bounds next to the measured ratios (bebop_jax/bench_rl.py); the
 learner's compile time is reported apart. Teacher-forced diagnostics are off, so a step is
 rollouts + learner + weight sync only.
 """
@@ -46,7 +46,7 @@ def main(argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_SIM.value}").strip()
   import jax  # pylint: disable=g-import-not-at-top  # after XLA_FLAGS
-  from bebop_jax.rl import bench  # pylint: disable=g-import-not-at-top
+  from bebop_jax import bench_rl as bench  # pylint: disable=g-import-not-at-top
   config = _CONFIG.value
   init_from = _INIT.value or config.rl.init_from
   if not init_from or not _WORKDIR.value:

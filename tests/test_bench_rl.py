@@ -1,9 +1,9 @@
-"""The four-arm RL benchmark's arithmetic (bebop_jax.rl.bench) against hand computations (a
+"""The four-arm RL benchmark's arithmetic (bebop_jax.bench_rl) against hand computations (a
 pass over real arms is in test_rl.py)."""
 
 import pytest
 
-from bebop_jax.rl import bench
+from bebop_jax import bench_rl as bench
 
 
 def _records(n, rollout, learner, step, staleness=0.0):

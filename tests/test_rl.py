@@ -19,7 +19,8 @@ from bebop_jax.data import pipeline
 from bebop_jax.decoding import speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
-from bebop_jax.rl import bench, learner, stage
+from bebop_jax import bench_rl as bench
+from bebop_jax.rl import learner, stage
 from bebop_jax.tasks import base
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib

@@ -5,8 +5,9 @@
 algorithms (algorithms.py); learner.py builds learner batches from rollouts and the jitted
 update; placement.py puts the learner and the rollouts on one mesh or two sub-meshes;
 async_loop.py is the weight store and the rollout thread of asynchronous RL; stage.py is the
-`rl` stage of bebop_jax.main; bench.py the four-arm speed benchmark; aot.py compiles both RL
-programs ahead of time on a (simulated) split pod.
+`rl` stage of bebop_jax.main; aot.py compiles both RL programs ahead of time on a
+(simulated) split pod. The four-arm speed benchmark, which runs the stage, is
+bebop_jax/bench_rl.py.
 """
 
 from bebop_jax.rl.algorithms import (ADVANTAGE_MODES, AGGREGATIONS, advantages,
