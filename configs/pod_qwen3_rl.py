@@ -13,25 +13,23 @@ devices, a power of two (each half a multiple of 4, and the batches below must s
 the data-parallel sizes).
 """
 
+import os
+
 from bebop_jax import config as config_lib
 from bebop_jax import sharding
-from bebop_jax.model import config as model_config
 
-_PRESETS = {"1p7b": "qwen3_1p7b", "8b": "qwen3_8b"}
+_SIZES = ("1p7b", "8b")
 
 
 def get_config(arg: str | None = None):
   size = arg or "1p7b"
-  if size not in _PRESETS:
+  if size not in _SIZES:
     raise ValueError(f"configs/pod_qwen3_rl.py:{size} is not allowed: one of "
-                     f"{sorted(_PRESETS)}")
-  config = config_lib.base_config()
+                     f"{sorted(_SIZES)}")
+  # The model, mesh (fsdp x tensor 4: the learner's, also config.mesh for the SFT / MTP
+  # stages) and batch sizes of the SFT pod config.
+  config = config_lib.load_file(os.path.join(os.path.dirname(__file__), "pod_qwen3.py"), size)
   config.stages = ("rl",)
-  config.model.update(model_config.PRESETS[_PRESETS[size]])
-  # The learner's mesh, also as config.mesh (the SFT / MTP stages' layout).
-  config.mesh.shape = (-1, 4)
-  config.mesh.axes = ("fsdp", "tensor")
-  config.data.batch_size = 256
   config.mtp.batch_size = 64
 
   p = config.rl.placement
