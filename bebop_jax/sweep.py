@@ -20,7 +20,6 @@ runs the same program, and bebop_jax.main calls `jax.distributed.initialize()` f
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shlex

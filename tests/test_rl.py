@@ -13,7 +13,6 @@ import pytest
 from bebop_jax import config as config_lib
 from bebop_jax import rollout
 from bebop_jax import sharding
-from bebop_jax import stages
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.decoding import speculative

@@ -51,7 +51,6 @@ from flax import nnx
 
 from bebop_jax import evaluation
 from bebop_jax import rollout
-from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.rl import async_loop
