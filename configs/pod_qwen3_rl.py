@@ -61,5 +61,4 @@ def get_config(arg: str | None = None):
   config.rl.train.eval_every = 100
   config.rl.optim.learning_rate = 1e-6
   config.rl.eval.num_examples = 256
-  config.eval.batch_size = 256
   return config
