@@ -21,6 +21,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
+from bebop_jax import console
 from bebop_jax import sharding
 from bebop_jax import stages
 
@@ -58,25 +59,9 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value or default_workdir(
       flags.FLAGS["config"].config_filename))
   os.makedirs(workdir, exist_ok=True)
-  route_logs(workdir, to_terminal=to_terminal)
+  console.route_logs(workdir, to_terminal=to_terminal)
   logging.info("workdir: %s", os.path.abspath(workdir))
   stages.run(config, workdir)
-
-
-def route_logs(workdir: str, to_terminal: bool = False) -> str:
-  """Library INFO logs (orbax, TFDS, absl) go to <workdir>/log.txt; the terminal keeps the
-  stage lines, progress bars and warnings. With `to_terminal` (an explicit --verbosity)
-  they also stay on the terminal. Returns the log file's path."""
-  path = os.path.join(workdir, "log.txt")
-  handler = std_logging.FileHandler(path)
-  handler.setLevel(std_logging.INFO)
-  handler.setFormatter(logging.PythonFormatter())
-  root = std_logging.getLogger()
-  root.addHandler(handler)
-  root.setLevel(min(root.level or std_logging.INFO, std_logging.INFO))
-  if not to_terminal:
-    logging.get_absl_handler().setLevel(std_logging.WARNING)
-  return path
 
 
 if __name__ == "__main__":
