@@ -155,6 +155,28 @@ def markdown(arms: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, Any],
   return "\n".join(lines) + "\n"
 
 
+def bench_config(config: Any, init_from: str, *, steps: int, eval_every: int,
+                 eval_examples: int, max_staleness: int, split: bool) -> Any:
+  """A copy of `config` set up for the arms: the rl stage alone from `init_from`, every step
+  logged, held-out evaluation in rejection mode only, no teacher-forced scoring (it would
+  add to the learner's time), the async bound, and half the devices per side when `split`."""
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.stages = ("rl",)
+    config.rl.init_from = os.path.abspath(os.path.expanduser(init_from))
+    config.rl.train.num_steps = steps
+    config.rl.train.eval_every = eval_every
+    config.rl.train.checkpoint_every = min(config.rl.train.checkpoint_every, steps)
+    config.rl.train.log_every = 1
+    config.rl.eval.num_examples = eval_examples
+    config.rl.eval.modes = ("rejection",)
+    config.rl.acceptance_modes = ()
+    config.rl.asynchronous.max_staleness = max_staleness
+    if split:
+      config.rl.placement.learner_devices = 0.5
+  return config
+
+
 def run_arms(config: Any, workdir: str, arms: Sequence[str], *, split: bool,
              warmup: int = 2, target: float | None = None) -> dict[str, Any]:
   """Runs (or resumes) each arm's RL stage under `workdir/<arm>` from `config` (whose

@@ -89,14 +89,18 @@ STAGE_FNS: dict[str, Callable[[ml_collections.ConfigDict, str], None]] = {
 assert tuple(STAGE_FNS) == config_lib.STAGES
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Runs the config's stages in the canonical order."""
+def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool = True) -> None:
+  """Runs the config's stages in the canonical order. `release_compiled` drops JAX's
+  compiled programs after each stage (benchmark.release_compiled: a long job on CPU would
+  otherwise run out of memory maps); a caller running many small stages of one model keeps
+  them, and later stages reuse the traced and compiled programs of earlier ones."""
   from bebop_jax import report  # pylint: disable=g-import-not-at-top
   timing = {"started_at": time.time()}
   for name in config_lib.STAGES:
     if name in config.stages:
       start = time.perf_counter()
       STAGE_FNS[name](config, workdir)
-      benchmark.release_compiled()  # the next stage compiles its own functions
+      if release_compiled:
+        benchmark.release_compiled()  # the next stage compiles its own functions
       timing[f"{name}_s"] = time.perf_counter() - start
       report.write_timing(workdir, timing)  # the eval stage reports the earlier stages

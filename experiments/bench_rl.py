@@ -52,18 +52,9 @@ def main(argv):
   if not init_from or not _WORKDIR.value:
     raise app.UsageError("--workdir and --init_from (or the config's rl.init_from) are needed")
   split = jax.device_count() >= 2
-  with config.unlocked():
-    config.stages = ("rl",)
-    config.rl.init_from = os.path.abspath(os.path.expanduser(init_from))
-    config.rl.train.num_steps = _STEPS.value
-    config.rl.train.eval_every = _EVAL_EVERY.value
-    config.rl.train.log_every = 1
-    config.rl.eval.num_examples = _EVAL_N.value
-    config.rl.eval.modes = ("rejection",)
-    config.rl.acceptance_modes = ()
-    config.rl.asynchronous.max_staleness = _STALENESS.value
-    if split:
-      config.rl.placement.learner_devices = 0.5
+  config = bench.bench_config(config, init_from, steps=_STEPS.value,
+                              eval_every=_EVAL_EVERY.value, eval_examples=_EVAL_N.value,
+                              max_staleness=_STALENESS.value, split=split)
   print(f"[bench_rl] {jax.device_count()} {jax.devices()[0].platform} devices; async arms "
         f"{'on split sub-meshes' if split else 'colocated'}")
   result = bench.run_arms(config, _WORKDIR.value, _ARMS.value, split=split,
