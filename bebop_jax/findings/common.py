@@ -1,0 +1,289 @@
+"""What the findings share: scales, the shared stage outputs, line fits and output files.
+
+Stage outputs under a workdir, each made once and reused by every finding that needs it
+(a stage that completed is skipped, a partial one resumes):
+  base/                          the SFT policy (the scale's config, stages ("sft",))
+  objectives/<loss>/seed<k>/     an MTP stage from base/: the jointly trained drafter
+                                 fine-tuned with <loss>, seed k (data order)
+  through_rl/<arm>/              an RL stage from objectives/<loss>/seed0 with a drafter
+                                 strategy (DRAFTER_ARMS)
+  speedup/<arm>/                 the four RL speed arms (bebop_jax.bench_rl)
+  findings/                      each finding's json, csv, md and png files
+  stage_seconds.json             seconds each stage took when it ran
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import ml_collections
+import numpy as np
+
+from bebop_jax import config as config_lib
+from bebop_jax.train import metrics as metrics_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODES = ("rejection", "greedy_draft")
+VERDICTS = ("reproduced", "not reproduced", "inconclusive")
+# RL drafter arms of F4: (drafter trained with, rl.mtp.strategy, rl.mtp.loss).
+DRAFTER_ARMS = {
+    "frozen_ce": ("ce", "frozen", "ce"),
+    "frozen_e2e_tv": ("e2e_tv", "frozen", "e2e_tv"),
+    "online_ce": ("ce", "online", "ce"),
+    "online_e2e_tv": ("e2e_tv", "online", "e2e_tv"),
+    "periodic_e2e_tv": ("e2e_tv", "periodic", "e2e_tv"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """The budgets of one scale; `config` is the base config file (relative to the repo)."""
+  name: str
+  config: str
+  seeds: int                      # per MTP loss (F3)
+  mtp_steps: int                  # MTP stage steps; 0 = the config's
+  rl_steps: int                   # per drafter arm (F4, and F1/F2's per-step points)
+  rl_eval_every: int
+  rl_eval_examples: int           # held-out prompts per task at each RL evaluation
+  periodic_every: int
+  bench_steps: int                # per speed arm
+  bench_warmup: int
+  bench_eval_examples: int
+  temperatures: tuple[float, ...]  # re-scoring temperatures (F1/F2)
+  # Drop compiled programs between stages (stages.run); the smoke scale's tiny programs
+  # stay, so its many stages of one model trace and compile each program once.
+  release_compiled: bool = True
+
+
+SCALES = {
+    # Seconds: the tiny model, a few steps of everything; for tests.
+    "smoke": Scale("smoke", "configs/rl_tiny.py", seeds=2, mtp_steps=2, rl_steps=3,
+                   rl_eval_every=3, rl_eval_examples=2, periodic_every=2, bench_steps=3,
+                   bench_warmup=1, bench_eval_examples=2, temperatures=(0.7, 1.0, 2.0),
+                   release_compiled=False),
+    # Under an hour on two CPU cores: the testbed policy (configs/testbed_entropy.py).
+    "laptop": Scale("laptop", "configs/testbed_entropy.py", seeds=2, mtp_steps=0,
+                    rl_steps=24, rl_eval_every=12, rl_eval_examples=64, periodic_every=6,
+                    bench_steps=16, bench_warmup=2, bench_eval_examples=32,
+                    temperatures=(0.7, 1.0, 1.3, 1.6, 2.0)),
+    # The same at larger budgets (an accelerator, or a long CPU run).
+    "full": Scale("full", "configs/testbed_entropy.py", seeds=5, mtp_steps=0, rl_steps=200,
+                  rl_eval_every=50, rl_eval_examples=256, periodic_every=10, bench_steps=48,
+                  bench_warmup=3, bench_eval_examples=64,
+                  temperatures=(0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 2.5)),
+}
+
+
+def get_scale(name: str) -> Scale:
+  if name not in SCALES:
+    raise ValueError(f"scale={name!r} is not allowed: one of {tuple(SCALES)}")
+  return SCALES[name]
+
+
+@dataclasses.dataclass
+class Finding:
+  """One finding's result: the paper's claim, our verdict and why, a markdown body (tables),
+  every plotted number (`data`, to json), flat rows (to csv) and figure file names."""
+  name: str
+  title: str
+  claim: str
+  verdict: str
+  reason: str
+  markdown: str
+  data: dict[str, Any]
+  rows: list[dict[str, Any]]
+  figures: list[str]
+  seconds: float = 0.0
+
+  def __post_init__(self):
+    if self.verdict not in VERDICTS:
+      raise ValueError(f"verdict={self.verdict!r} is not one of {VERDICTS}")
+
+
+def write_finding(f: Finding, out_dir: str) -> None:
+  """<out_dir>/<name>.json (everything), .csv (the rows) and .md (the section)."""
+  os.makedirs(out_dir, exist_ok=True)
+  metrics_lib.write_json_atomic(os.path.join(out_dir, f"{f.name}.json"), dataclasses.asdict(f))
+  keys = list(dict.fromkeys(k for r in f.rows for k in r))
+  with open(os.path.join(out_dir, f"{f.name}.csv"), "w", newline="") as fh:
+    w = csv.DictWriter(fh, fieldnames=keys)
+    w.writeheader()
+    w.writerows(f.rows)
+  with open(os.path.join(out_dir, f"{f.name}.md"), "w") as fh:
+    fh.write(section_markdown(f, figure_dir="."))
+
+
+def read_finding(out_dir: str, name: str) -> Finding | None:
+  d = metrics_lib.read_json(os.path.join(out_dir, f"{name}.json"))
+  return Finding(**d) if d else None
+
+
+def section_markdown(f: Finding, figure_dir: str) -> str:
+  figs = "\n".join(f"![{f.name}]({figure_dir}/{name})" for name in f.figures)
+  return (f"## {f.title}\n\n**Paper:** {f.claim}\n\n**Verdict: {f.verdict}.** {f.reason}\n\n"
+          f"{f.markdown.strip()}\n\n{figs}\n")
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
+  """Least squares y = intercept + slope * x: slope, intercept, r2, the slope's standard
+  error and 95% confidence interval (Student t, n - 2 degrees of freedom), points."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top  (a dependency of jax)
+  x, y = np.asarray(x, float), np.asarray(y, float)
+  n = len(x)
+  spread = float(np.sum((x - x.mean()) ** 2)) if n else 0.0
+  if n < 2 or spread == 0:
+    nan = float("nan")
+    return {"slope": nan, "intercept": nan, "r2": nan, "slope_se": nan,
+            "slope_ci95": [nan, nan], "points": n}
+  slope, intercept = np.polyfit(x, y, 1)
+  resid = y - (intercept + slope * x)
+  total = float(np.sum((y - y.mean()) ** 2))
+  se = float(np.sqrt(np.sum(resid ** 2) / (n - 2) / spread)) if n > 2 else float("nan")
+  half = float(stats.t.ppf(0.975, n - 2)) * se if n > 2 else float("nan")
+  return {"slope": float(slope), "intercept": float(intercept),
+          "r2": float(1 - np.sum(resid ** 2) / total) if total > 0 else 0.0,
+          "slope_se": se, "slope_ci95": [float(slope - half), float(slope + half)],
+          "points": n}
+
+
+def mean_se(values: Sequence[float] | np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Mean and standard error of the mean over `axis` (0 when one value)."""
+  v = np.asarray(values, float)
+  n = v.shape[axis]
+  se = v.std(axis=axis, ddof=1) / np.sqrt(n) if n > 1 else np.zeros_like(v.mean(axis=axis))
+  return v.mean(axis=axis), se
+
+
+def pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def save_figure(fig, out_dir: str, name: str) -> str:
+  os.makedirs(out_dir, exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, name), dpi=110)
+  pyplot().close(fig)
+  return name
+
+
+class Context:
+  """The scale's shared stage outputs under `workdir` (module docstring), made on demand."""
+
+  def __init__(self, workdir: str, scale: str, config_file: str | None = None):
+    self.scale = get_scale(scale)
+    self.workdir = os.path.abspath(workdir)
+    self.config_file = config_file or os.path.join(REPO, self.scale.config)
+    self.out_dir = os.path.join(self.workdir, "findings")
+    os.makedirs(self.workdir, exist_ok=True)
+    self._ledger_path = os.path.join(self.workdir, "stage_seconds.json")
+
+  # -- configs
+
+  def config(self) -> ml_collections.ConfigDict:
+    """A fresh copy of the scale's base config; its SFT stage is base/."""
+    c = config_lib.load_file(self.config_file)
+    c.mtp.init_from = os.path.join(self.workdir, "base")
+    return c
+
+  def rl_config(self, init_from: str, *, steps: int, eval_every: int, eval_examples: int
+                ) -> ml_collections.ConfigDict:
+    """The RL stage from `init_from` (an MTP stage's workdir) at the given budget, scoring
+    every batch in both verification modes."""
+    c = self.config()
+    c.stages = ("rl",)
+    c.rl.init_from = init_from
+    c.rl.train.num_steps = steps
+    c.rl.train.eval_every = eval_every
+    c.rl.train.checkpoint_every = min(c.rl.train.checkpoint_every, steps)
+    c.rl.train.progress = c.rl.train.progress and self.scale.name != "smoke"
+    c.rl.eval.num_examples = eval_examples
+    c.rl.eval.modes = MODES
+    c.rl.acceptance_modes = MODES
+    return c
+
+  # -- stage ledger
+
+  def seconds(self) -> dict[str, float]:
+    return metrics_lib.read_json(self._ledger_path) or {}
+
+  def record(self, key: str, seconds: float) -> None:
+    ledger = self.seconds()
+    ledger[key] = float(seconds)
+    metrics_lib.write_json_atomic(self._ledger_path, ledger)
+
+  def _run_stage(self, key: str, config: ml_collections.ConfigDict, workdir: str,
+                 done) -> str:
+    """Runs config.stages in `workdir` unless `done(workdir)`; records the seconds."""
+    from bebop_jax import stages  # pylint: disable=g-import-not-at-top
+    if done(workdir) is not None:
+      if key not in self.seconds():  # made by another command: its own timing file
+        timing = metrics_lib.read_json(os.path.join(workdir, "timing.json")) or {}
+        spent = sum(v for k, v in timing.items() if k.endswith("_s"))
+        if spent:
+          self.record(key, spent)
+      return workdir
+    os.makedirs(workdir, exist_ok=True)
+    start = time.perf_counter()
+    stages.run(config_lib.validate(config), workdir,
+               release_compiled=self.scale.release_compiled)
+    self.record(key, time.perf_counter() - start)
+    return workdir
+
+  # -- shared stages
+
+  def base(self) -> str:
+    """The SFT policy every finding starts from."""
+    from bebop_jax.train import sft  # pylint: disable=g-import-not-at-top
+    c = self.config()
+    c.stages = ("sft",)
+    return self._run_stage("base", c, os.path.join(self.workdir, "base"), sft.read_summary)
+
+  def drafter_config(self, loss: str, seed: int) -> ml_collections.ConfigDict:
+    """The MTP stage of `drafter(loss, seed)`."""
+    c = self.config()
+    c.stages = ("mtp",)
+    c.mtp.loss = loss
+    c.mtp.seed = seed
+    c.mtp.reinit = False
+    c.mtp.eval_before = False
+    c.mtp.eval_modes = MODES
+    if self.scale.mtp_steps:
+      c.mtp.train.num_steps = self.scale.mtp_steps
+      c.mtp.train.checkpoint_every = min(c.mtp.train.checkpoint_every, self.scale.mtp_steps)
+    return c
+
+  def drafter(self, loss: str, seed: int) -> str:
+    """The jointly trained drafter of base/, fine-tuned with `loss` (seed: data order)."""
+    from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
+    self.base()
+    name = os.path.join("objectives", loss, f"seed{seed}")
+    return self._run_stage(name, self.drafter_config(loss, seed),
+                           os.path.join(self.workdir, name), mtp.read_summary)
+
+  def drafter_arm(self, arm: str) -> str:
+    """The RL stage of one F4 arm (DRAFTER_ARMS), from the seed-0 drafter of its loss."""
+    from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+    if arm not in DRAFTER_ARMS:
+      raise ValueError(f"arm={arm!r} is not allowed: one of {tuple(DRAFTER_ARMS)}")
+    trained_with, strategy, loss = DRAFTER_ARMS[arm]
+    s = self.scale
+    c = self.rl_config(self.drafter(trained_with, 0), steps=s.rl_steps,
+                       eval_every=s.rl_eval_every, eval_examples=s.rl_eval_examples)
+    c.rl.mtp.strategy = strategy
+    c.rl.mtp.loss = loss
+    c.rl.mtp.every = s.periodic_every
+    name = os.path.join("through_rl", arm)
+    return self._run_stage(name, c, os.path.join(self.workdir, name), rl_stage.read_summary)
+
+
+def read_json(path: str) -> Any:
+  with open(path) as f:
+    return json.load(f)

@@ -1,0 +1,20 @@
+r"""Reproduces the paper's findings and writes the results page.
+
+  python experiments/reproduce.py --scale=laptop --workdir=runs/reproduce \
+      [--results=docs/results.md] [--only=objectives,through_rl]
+
+Scales (bebop_jax/findings/common.py): smoke (the tiny model, a few steps: checks that every
+piece runs), laptop (under an hour on two CPU cores), full (larger budgets). The findings
+share their stages: one SFT policy, one drafter per (MTP loss, seed), one RL run per drafter
+arm, the four speed arms; a rerun skips what finished and resumes what did not. Writes
+<workdir>/findings/ (json, csv, md and png per finding) and the page (default
+<workdir>/results.md, its figures and data copied to <page dir>/results/).
+"""
+
+from absl import app
+
+from bebop_jax.findings import cli
+
+if __name__ == "__main__":
+  cli.define_flags(page=True)
+  app.run(cli.main_reproduce)
