@@ -62,8 +62,8 @@ class Scale:
 
 SCALES = {
     # Seconds: the tiny model, a few steps of everything; for tests.
-    "smoke": Scale("smoke", "configs/rl_tiny.py", seeds=2, mtp_steps=2, rl_steps=3,
-                   rl_eval_every=3, rl_eval_examples=2, periodic_every=2, bench_steps=3,
+    "smoke": Scale("smoke", "configs/rl_tiny.py", seeds=2, mtp_steps=1, rl_steps=3,
+                   rl_eval_every=3, rl_eval_examples=2, periodic_every=2, bench_steps=2,
                    bench_warmup=1, bench_eval_examples=2, temperatures=(0.7, 1.0, 2.0),
                    release_compiled=False),
     # Under an hour on two CPU cores: the testbed policy (configs/testbed_entropy.py).
