@@ -18,6 +18,15 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
 
+# The longest files first: with two workers taking one file at a time, a long file picked
+# up last would run alone at the end.
+LONGEST_FIRST = ("test_reproduce.py", "test_main_job.py", "test_rl.py", "test_sweep_cli.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+
 
 @pytest.fixture(scope="session")
 def tiny_data_config(tmp_path_factory):
