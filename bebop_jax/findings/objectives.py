@@ -86,8 +86,9 @@ def verdict(gains: dict[str, dict], seeds: int) -> tuple[str, str]:
   e2e = gains["e2e_tv"]
   g, se = e2e["relative_gain"], e2e["relative_gain_se"]
   best = max(gains, key=lambda k: gains[k]["acceptance_mean"])
+  rough = "; a standard error from so few seeds is rough" if seeds < 3 else ""
   text = (f"e2e-TV against CE: {g:+.1%} ± {se:.1%} mean acceptance over depths (rejection, "
-          f"{seeds} seeds; the paper: about +10%); best objective here: {best}.")
+          f"{seeds} seeds{rough}; the paper: about +10%); best objective here: {best}.")
   if seeds < 2 or not np.isfinite(se) or se == 0:
     return "inconclusive", text + " One seed: no error bar."
   if g > 2 * se and gains["tv"]["relative_gain"] > 2 * gains["tv"]["relative_gain_se"]:
