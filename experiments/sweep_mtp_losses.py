@@ -27,6 +27,7 @@ from absl import app, flags
 
 from bebop_jax import config as config_lib
 from bebop_jax import stages
+from bebop_jax.findings.common import mean_se as _mean_se
 from bebop_jax.losses.mtp import LOSSES
 
 _CONFIG = flags.DEFINE_string("config", "configs/mtp_small.py", "Experiment config file.")
@@ -37,12 +38,6 @@ _INIT_FROM = flags.DEFINE_string("init_from", None, "Override mtp.init_from (the
 _SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per (start, loss).")
 _STARTS = flags.DEFINE_list("starts", ["config"], "warm (the SFT's jointly trained drafter), "
                             "scratch (re-initialised), or config (as the config says).")
-
-
-def _mean_se(values) -> tuple[np.ndarray, np.ndarray]:
-  v = np.asarray(values, float)
-  se = v.std(axis=0, ddof=1) / np.sqrt(len(v)) if len(v) > 1 else np.zeros(v.shape[1:])
-  return v.mean(axis=0), se
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
