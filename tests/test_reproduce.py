@@ -131,3 +131,27 @@ def test_fit_line_against_numpy():
                                      {"slope": -0.2, "slope_se": 0.02})
   assert r["ratio"] == pytest.approx(2.0)
   assert r["ratio_se"] == pytest.approx(2.0 * np.hypot(0.1, 0.1))
+
+
+def test_f2_verdict_is_paired_on_the_same_points():
+  """Greedy acceptance falls twice as fast as rejection's, with batch noise shared by both
+  modes: the paired gap finds it although each fit alone is noisy."""
+  rng = np.random.default_rng(1)
+  points = {}
+  for source in acceptance_entropy.SOURCES:
+    ent = np.linspace(0.2, 1.0, 12)
+    shared = rng.normal(0, 0.05, 12)  # the same batches score both modes
+    rej = 0.95 - 0.05 * ent + shared
+    gr = 0.90 - 0.10 * ent + shared + rng.normal(0, 0.002, 12)
+    points[source] = {m: {"entropy": ent, "depth1": a, "mean": a}
+                      for m, a in (("rejection", rej), ("greedy_draft", gr))}
+  fit = acceptance_entropy.fits(points)
+  (_, _), (v2, reason) = acceptance_entropy.verdicts(fit)
+  assert v2 == "reproduced", reason
+  gap = fit["rescoring"]["depth1"]["difference"]
+  assert gap["slope_ci95"][0] < -0.05 < gap["slope_ci95"][1]
+  for source in points:  # swap the modes: the gap narrows, so not reproduced
+    p = points[source]
+    p["rejection"], p["greedy_draft"] = p["greedy_draft"], p["rejection"]
+  (_, _), (v2, _) = acceptance_entropy.verdicts(acceptance_entropy.fits(points))
+  assert v2 == "not reproduced"
