@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import os
 import time
 from typing import Any, Sequence
@@ -116,11 +115,6 @@ def write_finding(f: Finding, out_dir: str) -> None:
     w.writerows(f.rows)
   with open(os.path.join(out_dir, f"{f.name}.md"), "w") as fh:
     fh.write(section_markdown(f, figure_dir="."))
-
-
-def read_finding(out_dir: str, name: str) -> Finding | None:
-  d = metrics_lib.read_json(os.path.join(out_dir, f"{name}.json"))
-  return Finding(**d) if d else None
 
 
 def section_markdown(f: Finding, figure_dir: str) -> str:
@@ -283,7 +277,3 @@ class Context:
     name = os.path.join("through_rl", arm)
     return self._run_stage(name, c, os.path.join(self.workdir, name), rl_stage.read_summary)
 
-
-def read_json(path: str) -> Any:
-  with open(path) as f:
-    return json.load(f)
