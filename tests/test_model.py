@@ -28,6 +28,8 @@ def _tokens(b, t, seed=0, vocab=100):
 @pytest.mark.parametrize("overrides", [
     {},  # M=2 < K=3: depth 3 reuses module 2
     {"tie_embeddings": False, "qk_norm": False, "num_mtp_modules": 1, "num_draft_steps": 3},
+    {"attention_block_size": 5},  # 12 positions in three query blocks, the last ragged
+    {"attention": "dense", "remat": "none"},
 ])
 def test_teacher_forced_chain_matches_hand_unrolled_reference(overrides):
   cfg = _tiny(**overrides)

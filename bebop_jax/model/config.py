@@ -8,6 +8,8 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ATTENTION = ("blockwise", "dense")
+REMAT = ("projections", "none", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,15 @@ class ModelConfig:
       before the loop (Policy.decode_weights): fastest where a slice is a copy (CPU, GPU), at
       the price of a second copy of the weights. False slices inside every step instead: no
       extra memory, and on TPU the slice fuses into the matmul.
+    attention: teacher-forced attention (training, scoring): "blockwise" (query blocks over
+      their causal key prefix, custom backward, no [B, H, T, T] probabilities kept; see
+      layers.blockwise_attention) or "dense" (the reference). Decoding always uses the cache.
+    attention_block_size: queries per block of "blockwise" attention.
+    remat: what the teacher-forced backward keeps of each block's forward (jax.checkpoint
+      policies, model.REMAT_POLICIES): "projections" keeps the q/k/v, gate and up matmul
+      outputs and the attention output, and recomputes the norms, RoPE, SwiGLU and output
+      projections; "none" keeps every intermediate (no jax.checkpoint); "full" keeps only
+      the block inputs.
   """
   vocab_size: int = 128
   d_model: int = 64
@@ -53,10 +64,14 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   decode_preslice_weights: bool = True
+  attention: str = "blockwise"
+  attention_block_size: int = 32
+  remat: str = "projections"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "mlp_dim", "num_mtp_modules", "num_draft_steps"):
+                 "head_dim", "mlp_dim", "num_mtp_modules", "num_draft_steps",
+                 "attention_block_size"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"model.{name}={value!r} is not allowed: must be a positive int")
@@ -68,6 +83,10 @@ class ModelConfig:
                        f">= model.num_mtp_modules={self.num_mtp_modules}")
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} is not allowed: RoPE needs it even")
+    for name, allowed in (("attention", ATTENTION), ("remat", REMAT)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"model.{name}={getattr(self, name)!r} is not allowed: one of "
+                         f"{list(allowed)}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not allowed: one of "

@@ -124,6 +124,18 @@ class Cache:
 
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")  # of each block's buffer
 
+# model.remat -> the jax.checkpoint policy of a teacher-forced block (None: no checkpoint).
+# "projections" keeps the q, k, v, gate and up projections (names set in layers.block) and
+# blockwise attention's output and log-sum-exp, and recomputes the rest in the backward: the
+# norms, RoPE, SwiGLU and the two cheaper output projections. On CPU, where the step is bound
+# by memory traffic, that is faster than storing them, and it keeps about a third of the memory.
+REMAT_POLICIES = {
+    "none": None,
+    "projections": jax.checkpoint_policies.save_only_these_names(
+        "q", "k", "v", "gate", "up", "attention_out", "attention_lse"),
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
 
 class Policy(nnx.Module):
   """Qwen3-style decoder with MTP modules. See the module docstring for the math."""
@@ -173,21 +185,42 @@ class Policy(nnx.Module):
     logits = layers.dense(h, shared["head"], preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "vocab"))
 
-  def _main_blocks(self, x, positions, *, mask=None):
+  def _teacher_block(self, *, in_scan: bool):
+    """(p, x, positions, mask, rope_sincos) -> x: one teacher-forced block with the config's
+    attention and remat policy."""
+    c = self.config
+    kw = dict(self._block_kwargs(), attention_block_size=(
+        c.attention_block_size if c.attention == "blockwise" else None))
+
+    def fn(p, x, positions, mask, sincos):
+      return layers.block(p, x, positions, mask=mask, rope_sincos=sincos, **kw)[0]
+    policy = REMAT_POLICIES[c.remat]
+    if policy is None:
+      return fn
+    # prevent_cse=False inside scan, as jax.checkpoint's docs recommend there.
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
+
+  def _main_blocks(self, x, positions, *, mask, sincos):
     """Teacher-forced: a scan over the stacked layers."""
-    kw = self._block_kwargs()
+    fn = self._teacher_block(in_scan=True)
 
     def body(x, p):
-      return layers.block(p, x, positions, mask=mask, **kw)[0], None
+      return fn(p, x, positions, mask, sincos), None
     x, _ = jax.lax.scan(body, x, self.layers.arrays(self.config.compute_dtype))
     return x
+
+  def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    c = self.config
+    return layers.rope_tables(positions, c.head_dim, c.rope_theta)
 
   def _main_blocks_cached(self, weights, x, positions, cache: KVCache, kv_len: int | None):
     """Decoding: the layers unrolled, each on its own weight slices and cache buffers."""
     kw = self._block_kwargs()
+    sincos = self._rope(positions)
     ks, vs = [], []
     for p, k, v in zip(weights["layers"], cache.k, cache.v):
-      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v), kv_len=kv_len, **kw)
+      x, (k, v) = layers.block(p, x, positions, kv_cache=(k, v), kv_len=kv_len,
+                               rope_sincos=sincos, **kw)
       ks.append(k)
       vs.append(v)
     return x, KVCache(k=tuple(ks), v=tuple(vs))
@@ -215,10 +248,6 @@ class Policy(nnx.Module):
     u = layers.dense(jnp.concatenate([hn, en], axis=-1), p["proj"])
     return sharding.constrain(u, ("batch", "length", "embed"))
 
-  def _mtp_block(self, p: dict[str, jax.Array], u, positions, *, mask=None, kv_cache=None,
-                 kv_len=None):
-    return layers.block(p, u, positions, mask=mask, kv_cache=kv_cache, kv_len=kv_len,
-                        **self._block_kwargs())
 
   def decode_weights(self) -> dict[str, Any]:
     """The parameters as decoding uses them: per-block slices of the stacked layers and MTP
@@ -264,11 +293,13 @@ class Policy(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
+    # Built once per batch and shared by every block: the mask and the RoPE tables.
     attn_mask = layers.causal_segment_mask(segment_ids)
+    sincos = self._rope(positions)
 
     shared = self._shared(stop_gradient=False)
     h0 = self._main_blocks(self._embed(shared["embed"], tokens, gather_table=True),
-                           positions, mask=attn_mask)
+                           positions, mask=attn_mask, sincos=sincos)
     out = {"logits": self._logits(shared, h0), "hidden": h0,
            "mask": shifted_valid(segment_ids, 1)}
     if k_steps == 0:
@@ -277,10 +308,11 @@ class Policy(nnx.Module):
     mtp_shared = self._shared(stop_gradient=stop)
     h_prev = jax.lax.stop_gradient(h0) if stop else h0
     mtp_logits, mtp_hidden, mtp_mask = [], [], []
+    mtp_block = self._teacher_block(in_scan=False)
     for depth in range(1, k_steps + 1):
       p = self._mtp_module(c.mtp_module_index(depth))
       emb = self._embed(mtp_shared["embed"], shift_left(tokens, depth), gather_table=True)
-      h_prev, _ = self._mtp_block(p, self._mtp_input(p, h_prev, emb), positions, mask=attn_mask)
+      h_prev = mtp_block(p, self._mtp_input(p, h_prev, emb), positions, attn_mask, sincos)
       mtp_hidden.append(h_prev)
       mtp_logits.append(self._logits(mtp_shared, h_prev))
       mtp_mask.append(shifted_valid(segment_ids, depth + 1))
@@ -348,8 +380,9 @@ class Policy(nnx.Module):
     shared = w["shared"]
     u = self._mtp_input(p, h_prev, self._embed(shared["embed"], tokens))
     i = depth - 1
-    h, (k, v) = self._mtp_block(p, u, positions, kv_cache=(cache.mtp.k[i], cache.mtp.v[i]),
-                                kv_len=attend_len)
+    h, (k, v) = layers.block(p, u, positions, kv_cache=(cache.mtp.k[i], cache.mtp.v[i]),
+                             kv_len=attend_len, rope_sincos=self._rope(positions),
+                             **self._block_kwargs())
     replace = lambda buffers, new: buffers[:i] + (new,) + buffers[i + 1:]
     mtp = KVCache(k=replace(cache.mtp.k, k), v=replace(cache.mtp.v, v))
     if logits_at is not None:
