@@ -108,13 +108,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                "accuracy_mode": main_mode, "temperature": m.temperature},
       "sft": {"accuracy": (sft_summary or {}).get("eval", {}),
               "steps": (sft_summary or {}).get("steps"),
-              "entropy": (sft_summary or {}).get("entropy", {})},
+              "entropy": (sft_summary or {}).get("entropy", {}),
+              **throughput(sft_summary or {})},
       "mtp": {"loss": mtp_summary["loss"],
               "acceptance_teacher_forced": after["teacher_forced"][main_mode]["alpha"],
               "acceptance_teacher_forced_by_mode": {
                   mode: after["teacher_forced"][mode]["alpha"] for mode in modes},
               "steps": mtp_summary["steps"],
-              "before": _compact(mtp_summary.get("before"), modes)},
+              "before": _compact(mtp_summary.get("before"), modes),
+              **throughput(mtp_summary)},
       "decode": {
           "acceptance_online": {mode: after["online"][mode]["acceptance"] for mode in modes},
           "tokens_per_target_forward": {mode: after["online"][mode]["tokens_per_target_forward"]
@@ -176,6 +178,16 @@ def _compact(ev: dict | None, modes) -> dict | None:
           "tokens_per_target_forward": {m: ev["online"][m]["tokens_per_target_forward"]
                                         for m in modes},
           "acceptance_teacher_forced": {m: ev["teacher_forced"][m]["alpha"] for m in modes}}
+
+
+THROUGHPUT_KEYS = ("steady_step_time_s", "model_flops_per_s", "matmul_flops_per_s",
+                   "flops_utilization", "temp_bytes")
+
+
+def throughput(stage_summary: dict[str, Any]) -> dict[str, Any]:
+  """A training stage's step time, model FLOP/s, their ratio to the matmul calibration and
+  the step's temporary memory (trainer.train_loop's summary), where recorded."""
+  return {k: stage_summary[k] for k in THROUGHPUT_KEYS if stage_summary.get(k) is not None}
 
 
 def write_timing(workdir: str, timing: dict[str, float]):

@@ -31,6 +31,7 @@ from bebop_jax.decoding import sampling
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.rl import algorithms
 from bebop_jax.rollout import Rollouts
+from bebop_jax.train import flops as flops_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
 
@@ -176,6 +177,7 @@ class Learner:
     self.sampling = sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k,
                                             rl.rollout.top_p)
     model = nnx.merge(graphdef, params)
+    self.model_config = model.config
     # One graphdef serves both groups: nnx.merge(graphdef, trunk, mtp) either way round.
     self.graphdef, trunk, mtp = nnx.split(model, optimizer_lib.trainable_filter("main"), ...)
     num_steps = rl.train.num_steps
@@ -346,6 +348,10 @@ class Learner:
     metrics["learner_length"] = length
     metrics["learner_compiles"] = self.num_compiled
     metrics["learner_s"] = time.perf_counter() - start
+    # Model FLOP/s of the policy updates over the whole learner time (host work included).
+    metrics.update({f"learner_{k}": v for k, v in flops_lib.utilization(
+        len(results) * flops_lib.train_flops_per_step(self.model_config, size, length, 0),
+        metrics["learner_s"]).items()})
     start = time.perf_counter()
     metrics.update(self._update_mtp(mtp_batch(full, rollouts), step))
     metrics["mtp_update_s"] = time.perf_counter() - start

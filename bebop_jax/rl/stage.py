@@ -400,7 +400,11 @@ def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
                            "acceptance": {m: r["acceptance"] for m, r in e["modes"].items()}}
                        for s, e in sorted(evals.items(), key=lambda kv: int(kv[0]))},
       "timing": {**totals, **sides, "compile_s": compile_s, "stage_s": seconds,
-                 "rollout_share": totals["rollout_s"] / max(sum(totals.values()), 1e-9)},
+                 "rollout_share": totals["rollout_s"] / max(sum(totals.values()), 1e-9),
+                 # median over logged steps (bebop_jax.train.flops)
+                 **{k: float(np.median([r[f"learner_{k}"] for r in ordered]))
+                    for k in ("model_flops_per_s", "flops_utilization")
+                    if ordered and all(f"learner_{k}" in r for r in ordered)}},
       "async": {
           "enabled": asynchronous.enabled,
           "max_staleness": asynchronous.max_staleness if asynchronous.enabled else 0,

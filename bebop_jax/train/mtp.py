@@ -46,6 +46,7 @@ from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import flops as flops_lib
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import sft
@@ -260,16 +261,12 @@ def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task
 # ----------------------------------------------------------------------------- the stage
 
 
-def _split(model, config):
-  return nnx.split(model, optimizer_lib.trainable_filter(config.mtp.optim.trainable), ...)
-
-
 def load_policy(config: ml_collections.ConfigDict, workdir: str
                 ) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, parameters): the SFT policy with the MTP stage's trained parameters."""
   graphdef, params = sft.load_policy(config, sft_workdir(config, workdir))
   model = nnx.merge(graphdef, params)
-  graphdef, trainable, frozen = _split(model, config)
+  graphdef, trainable, frozen = split(model, config)
   tx, _ = optimizer_lib.make_optimizer(config.mtp.optim, config.mtp.train.num_steps)
   restored = checkpoint_lib.restore_trainable(
       os.path.join(stage_dir(workdir), "checkpoints"), trainable, tx)
@@ -284,6 +281,27 @@ def _reinit_mtp(config, model_cfg: ModelConfig, params: nnx.State) -> nnx.State:
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   keep = params.filter(nnx.Not(mtp_filter))
   return nnx.merge_state(keep, jax.device_put(fresh.filter(mtp_filter), device))
+
+
+def make_loss_fn(config: ml_collections.ConfigDict):
+  """The MTP stage's loss_fn(model, batch) -> (loss, metrics) (the trunk detached)."""
+  m = config.mtp
+  depth_weights = tuple(m.depth_weights) or None
+  impl = None if m.tv_implementation == "auto" else m.tv_implementation
+
+  def loss_fn(model, batch):
+    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                mtp_stop_gradient=True)
+    return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=m.loss,
+                               depth_weights=depth_weights, tv_implementation=impl,
+                               temperature=m.temperature)
+
+  return loss_fn
+
+
+def split(model, config):
+  """(graphdef, trainable, frozen) of the MTP stage: config.mtp.optim.trainable trains."""
+  return nnx.split(model, optimizer_lib.trainable_filter(config.mtp.optim.trainable), ...)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -338,7 +356,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if m.reinit:
     sft_params = _reinit_mtp(config, model_cfg, sft_params)
   model = nnx.merge(graphdef0, sft_params)
-  graphdef, trainable, frozen = _split(model, config)
+  graphdef, trainable, frozen = split(model, config)
   num_steps = m.train.num_steps
   tx, schedule = optimizer_lib.make_optimizer(m.optim, num_steps)
   state = trainer.place_state(
@@ -350,17 +368,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   state, latest = trainer.resume(checkpointer, state, data_iter)
   if latest is not None:
     print(f"[mtp] resumed from step {latest}")
-  depth_weights = tuple(m.depth_weights) or None
-  impl = None if m.tv_implementation == "auto" else m.tv_implementation
-
-  def loss_fn(model, batch):
-    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                mtp_stop_gradient=True)
-    return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=m.loss,
-                               depth_weights=depth_weights, tv_implementation=impl,
-                               temperature=m.temperature)
-
-  step_fn = trainer.make_train_step(graphdef, loss_fn, tx, schedule, m.train.grad_accum_steps)
+  step_fn = trainer.make_train_step(graphdef, make_loss_fn(config), tx, schedule,
+                                    m.train.grad_accum_steps)
   example_batch = next(iter(dataset))
   compiled = trainer.compile_train_step(step_fn, state, example_batch, mesh, rules, tx)
   print(f"[mtp] train step ({m.loss}) compiled in {compiled.compile_seconds:.1f}s")
@@ -372,7 +381,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                 eval_every=0, checkpoint_every=m.train.checkpoint_every,
                                 progress=m.train.progress, stop_at_step=m.train.stop_at_step),
         checkpointer=checkpointer, data_iterator=data_iter,
-        batch_sh=trainer.batch_shardings(example_batch, mesh, rules))
+        batch_sh=trainer.batch_shardings(example_batch, mesh, rules),
+        flops_per_step=flops_lib.train_flops_per_step(
+            model_cfg, m.batch_size, config.data.seq_len, model_cfg.num_draft_steps,
+            trainable_main=False))
   checkpointer.close()
   timing["train_s"] = time.perf_counter() - t0
   if not summary["complete"]:

@@ -105,6 +105,23 @@ def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | Non
   return graphdef, nnx.merge_state(restored, params)
 
 
+def mtp_depths(config: ml_collections.ConfigDict) -> int:
+  """MTP depths in the SFT loss: all K with a joint MTP loss, else none."""
+  return config.model.num_draft_steps if config.sft.mtp_loss_weight > 0 else 0
+
+
+def make_loss_fn(config: ml_collections.ConfigDict):
+  """The SFT loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step."""
+  k_steps, weight = mtp_depths(config), config.sft.mtp_loss_weight
+
+  def loss_fn(model, batch):
+    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                num_draft_steps=k_steps)
+    return lm.sft_loss(out, batch["tokens"], batch["loss_mask"], weight)
+
+  return loss_fn
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) SFT; returns the stage summary."""
   done = read_summary(workdir)
@@ -135,14 +152,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if latest is not None:
     print(f"[sft] resumed from step {latest}")
 
-  k_steps = model_cfg.num_draft_steps if s.mtp_loss_weight > 0 else 0
-
-  def loss_fn(model, batch):
-    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                num_draft_steps=k_steps)
-    return lm.sft_loss(out, batch["tokens"], batch["loss_mask"], s.mtp_loss_weight)
-
-  step_fn = trainer.make_train_step(graphdef, loss_fn, tx, schedule, s.train.grad_accum_steps)
+  k_steps = mtp_depths(config)
+  step_fn = trainer.make_train_step(graphdef, make_loss_fn(config), tx, schedule,
+                                    s.train.grad_accum_steps)
   example_batch = next(iter(dataset))
   compiled = trainer.compile_train_step(step_fn, state, example_batch, mesh, rules, tx)
   print(f"[sft] train step compiled in {compiled.compile_seconds:.1f}s; memory: "
@@ -167,10 +179,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if not summary["eval"]:  # resumed after the final checkpoint: evaluate it
     with sharding.use_mesh(mesh, rules):
       summary["eval"] = make_eval_fn(config, graphdef)(state)
-  if summary["steady_step_time_s"]:
-    summary["model_flops_per_s"] = flops_per_step / summary["steady_step_time_s"]
-    summary["matmul_flops_per_s"] = flops_lib.matmul_flops_per_second()
-    summary["flops_utilization"] = summary["model_flops_per_s"] / summary["matmul_flops_per_s"]
   summary["num_params"] = policy_lib.num_params(nnx.state(model))
   summary["entropy"] = policy_entropy(config, graphdef,
                                       nnx.merge_state(state.trainable, state.frozen))

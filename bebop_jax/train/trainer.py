@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bebop_jax import sharding
 from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import flops as flops_lib
 from bebop_jax.train import metrics as metrics_lib
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, dict]]
@@ -186,12 +187,19 @@ def train_loop(*, stage: str, workdir: str, state: TrainState, compiled: Compile
                eval_fn: Callable[[TrainState], dict[str, float]] | None = None,
                flops_per_step: float | None = None) -> tuple[TrainState, dict[str, Any]]:
   """Runs steps until loop.num_steps: logs, evaluates, checkpoints. Returns the final state
-  and a summary (steady-state step time, compile time, last metrics, last eval)."""
+  and a summary (steady-state step time, compile time, last metrics, last eval).
+
+  With `flops_per_step` (flops.train_flops_per_step), every log line and the summary carry
+  model FLOP/s and their ratio to the process's matmul calibration (measured before the
+  first step, once per process)."""
   start_step = int(state.step)
   writer = metrics_lib.MetricsWriter(workdir, stage, resume_step=start_step)
   progress = metrics_lib.Progress(loop.num_steps, start_step, stage, disable=not loop.progress)
+  calibration = ({"matmul_flops_per_s": flops_lib.matmul_calibration()} if flops_per_step
+                 else {})
   writer.write(start_step, {"event": "start", "compile_s": compiled.compile_seconds,
-                            **{f"memory_{k}": v for k, v in compiled.memory.items()}})
+                            **{f"memory_{k}": v for k, v in compiled.memory.items()},
+                            **calibration})
   step = start_step
   last_metrics: dict[str, Any] = {}
   last_eval: dict[str, Any] = {}
@@ -217,7 +225,7 @@ def train_loop(*, stage: str, workdir: str, state: TrainState, compiled: Compile
         window_start, window_steps = now, 0
         last_metrics["step_time_s"] = step_time
         if flops_per_step:
-          last_metrics["model_flops_per_s"] = flops_per_step / step_time
+          last_metrics.update(flops_lib.utilization(flops_per_step, step_time))
         writer.write(step, last_metrics)
       progress.update(1, **({"loss": last_metrics["loss"]} if "loss" in last_metrics else {}))
       if eval_fn is not None and (is_last or (loop.eval_every and step % loop.eval_every == 0)):
@@ -235,5 +243,8 @@ def train_loop(*, stage: str, workdir: str, state: TrainState, compiled: Compile
   summary = {"steps": step, "complete": step >= loop.num_steps,
              "compile_s": compiled.compile_seconds,
              "steady_step_time_s": float(np.median(steady_times)) if steady_times else None,
+             "temp_bytes": compiled.memory.get("temp_size_in_bytes"),
              "metrics": last_metrics, "eval": last_eval}
+  if flops_per_step and summary["steady_step_time_s"]:
+    summary.update(flops_lib.utilization(flops_per_step, summary["steady_step_time_s"]))
   return state, summary
