@@ -144,6 +144,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # forward instead of 1/4 (the quickstart's policy).
     "small_deep": dict(d_model=96, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=24,
                        mlp_dim=288, num_mtp_modules=1, num_draft_steps=3),
+    # Qwen3-0.6B's shape with one MTP module: the accelerator benchmark's policy.
+    "qwen3_0p6b": dict(vocab_size=151_936, d_model=1024, num_layers=28, num_heads=16,
+                       num_kv_heads=8, head_dim=128, mlp_dim=3072, rope_theta=1_000_000.0,
+                       tie_embeddings=True, num_mtp_modules=1, num_draft_steps=3,
+                       dtype="bfloat16", param_dtype="bfloat16"),
     "qwen3_1p7b": dict(vocab_size=151_936, d_model=2048, num_layers=28, num_heads=16,
                        num_kv_heads=8, head_dim=128, mlp_dim=6144, rope_theta=1_000_000.0,
                        tie_embeddings=True, num_mtp_modules=1, num_draft_steps=3,
