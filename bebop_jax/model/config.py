@@ -134,30 +134,35 @@ def param_count(c: ModelConfig) -> dict[str, int]:
 # the pod-scale ones mirror Qwen3-1.7B / Qwen3-8B shapes with one MTP module (their decoding
 # does not keep a second, pre-sliced copy of the weights).
 PRESETS: dict[str, dict[str, Any]] = {
+    # Attention blocks of 128 queries: the tests' sequences are one or two blocks, so their
+    # train steps compile about as fast as on the dense path (each block is unrolled). The
+    # CPU presets below use 32, the pod presets 512 (each sets it: configs start from tiny).
     "tiny": dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                 mlp_dim=64, num_mtp_modules=2, num_draft_steps=3),
+                 mlp_dim=64, num_mtp_modules=2, num_draft_steps=3, attention_block_size=128),
     "small": dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                  mlp_dim=384, num_mtp_modules=1, num_draft_steps=3),
+                  mlp_dim=384, num_mtp_modules=1, num_draft_steps=3, attention_block_size=32),
     # Same parameter count as "small", twice the depth: a trunk much deeper than its one-block
     # drafter, as in real MTP models (Qwen3-8B: 36 layers, 1 MTP module). On CPU a decode
     # step costs about the same per block, so here one draft depth costs 1/8 of a target
     # forward instead of 1/4 (the quickstart's policy).
     "small_deep": dict(d_model=96, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=24,
-                       mlp_dim=288, num_mtp_modules=1, num_draft_steps=3),
+                       mlp_dim=288, num_mtp_modules=1, num_draft_steps=3,
+                       attention_block_size=32),
     # Qwen3-0.6B's shape with one MTP module: the accelerator benchmark's policy.
     "qwen3_0p6b": dict(vocab_size=151_936, d_model=1024, num_layers=28, num_heads=16,
                        num_kv_heads=8, head_dim=128, mlp_dim=3072, rope_theta=1_000_000.0,
                        tie_embeddings=True, num_mtp_modules=1, num_draft_steps=3,
-                       dtype="bfloat16", param_dtype="bfloat16"),
+                       dtype="bfloat16", param_dtype="bfloat16", attention_block_size=512),
     "qwen3_1p7b": dict(vocab_size=151_936, d_model=2048, num_layers=28, num_heads=16,
                        num_kv_heads=8, head_dim=128, mlp_dim=6144, rope_theta=1_000_000.0,
                        tie_embeddings=True, num_mtp_modules=1, num_draft_steps=3,
                        dtype="bfloat16", param_dtype="bfloat16",
-                       decode_preslice_weights=False),
+                       decode_preslice_weights=False, attention_block_size=512),
     "qwen3_8b": dict(vocab_size=151_936, d_model=4096, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, mlp_dim=12_288, rope_theta=1_000_000.0,
                      tie_embeddings=False, num_mtp_modules=1, num_draft_steps=3,
-                     dtype="bfloat16", param_dtype="bfloat16", decode_preslice_weights=False),
+                     dtype="bfloat16", param_dtype="bfloat16", decode_preslice_weights=False,
+                     attention_block_size=512),
 }
 
 

@@ -348,10 +348,13 @@ class Learner:
     metrics["learner_length"] = length
     metrics["learner_compiles"] = self.num_compiled
     metrics["learner_s"] = time.perf_counter() - start
-    # Model FLOP/s of the policy updates over the whole learner time (host work included).
-    metrics.update({f"learner_{k}": v for k, v in flops_lib.utilization(
+    # Model FLOP/s of the policy updates over the whole learner time (host work included);
+    # timing keys end in _s (the stage summary gives their ratio, the utilization).
+    u = flops_lib.utilization(
         len(results) * flops_lib.train_flops_per_step(self.model_config, size, length, 0),
-        metrics["learner_s"]).items()})
+        metrics["learner_s"])
+    metrics["learner_model_flops_per_s"] = u["model_flops_per_s"]
+    metrics["learner_matmul_flops_per_s"] = u["matmul_flops_per_s"]
     start = time.perf_counter()
     metrics.update(self._update_mtp(mtp_batch(full, rollouts), step))
     metrics["mtp_update_s"] = time.perf_counter() - start

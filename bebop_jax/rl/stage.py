@@ -362,6 +362,16 @@ def _describe_eval(ev: dict) -> str:
   return ", ".join(parts) + f" ({acc})"
 
 
+def _learner_flops(ordered: list[dict]) -> dict[str, float]:
+  """Median model FLOP/s of the learner's policy updates over the logged steps and their
+  ratio to the matmul calibration (bebop_jax.train.flops)."""
+  if not ordered or not all("learner_model_flops_per_s" in r for r in ordered):
+    return {}
+  model = float(np.median([r["learner_model_flops_per_s"] for r in ordered]))
+  return {"learner_model_flops_per_s": model,
+          "learner_flops_utilization": model / ordered[0]["learner_matmul_flops_per_s"]}
+
+
 def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
   steps = metrics_lib.read_metrics(workdir, STAGE)
   by_step = {r["step"]: r for r in steps}
@@ -401,10 +411,7 @@ def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
                        for s, e in sorted(evals.items(), key=lambda kv: int(kv[0]))},
       "timing": {**totals, **sides, "compile_s": compile_s, "stage_s": seconds,
                  "rollout_share": totals["rollout_s"] / max(sum(totals.values()), 1e-9),
-                 # median over logged steps (bebop_jax.train.flops)
-                 **{k: float(np.median([r[f"learner_{k}"] for r in ordered]))
-                    for k in ("model_flops_per_s", "flops_utilization")
-                    if ordered and all(f"learner_{k}" in r for r in ordered)}},
+                 **_learner_flops(ordered)},
       "async": {
           "enabled": asynchronous.enabled,
           "max_staleness": asynchronous.max_staleness if asynchronous.enabled else 0,
