@@ -13,6 +13,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache, shared by both workers and the subprocess tests (they
+# inherit the environment): modules release their compiled programs when they end (below),
+# and many tests compile the same tiny programs, so later compiles become cache loads. It
+# lives in the checkout's .pytest_cache, so a clean checkout starts it empty.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
+    "jax_compilation_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
