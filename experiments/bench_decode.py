@@ -23,9 +23,7 @@ from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
 from bebop_jax.decoding import benchmark
-from bebop_jax.model import model as policy_lib
-from bebop_jax.model.config import ModelConfig
-from bebop_jax.train import mtp, sft
+from bebop_jax.train import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
                                           lock_config=True)
@@ -51,19 +49,8 @@ _OUT = flags.DEFINE_string("out", None, "JSON output path (default <workdir>/ben
 def main(argv):
   del argv
   config = config_lib.validate(_CONFIG.value)
-  workdir = _WORKDIR.value
-  use_mtp = _POLICY.value == "mtp" or (
-      _POLICY.value == "auto" and workdir and mtp.read_summary(workdir) is not None)
-  if not _RANDOM.value and workdir and use_mtp:
-    graphdef, state = mtp.load_policy(config, workdir)
-    source = f"sft + mtp checkpoint in {workdir}"
-  elif not _RANDOM.value and workdir and sft.read_summary(workdir) is not None:
-    graphdef, state = sft.load_policy(config, workdir)
-    source = f"sft checkpoint in {workdir}"
-  else:
-    graphdef, state = policy_lib.init(ModelConfig.from_dict(config.model.to_dict()),
-                                      config.seed)
-    source = "random_init"
+  graphdef, state, source = mtp.load_workdir_policy(
+      config, _WORKDIR.value, which="random" if _RANDOM.value else _POLICY.value)
   print(f"model: {source}; device: {jax.devices()[0].device_kind}\n{benchmark.header(_SPLIT.value)}")
   results = benchmark.run_benchmark(
       config, graphdef, state, batch_sizes=[int(b) for b in _BATCH.value],

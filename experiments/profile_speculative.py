@@ -39,9 +39,7 @@ from ml_collections import config_flags
 from bebop_jax import config as config_lib
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import autoregressive, benchmark, sampling, speculative
-from bebop_jax.model import model as policy_lib
-from bebop_jax.model.config import ModelConfig
-from bebop_jax.train import mtp, sft
+from bebop_jax.train import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py",
                                           "Experiment config.", lock_config=False)
@@ -185,17 +183,8 @@ def part_costs(graphdef, state, prompt_len: int, *, cache_length: int, repeats: 
 def main(argv):
   del argv
   config = config_lib.validate(_CONFIG.value)
-  workdir = _WORKDIR.value
-  if not _RANDOM.value and workdir and mtp.read_summary(workdir) is not None:
-    graphdef, state = mtp.load_policy(config, workdir)
-    source = f"mtp checkpoint in {workdir}"
-  elif not _RANDOM.value and workdir and sft.read_summary(workdir) is not None:
-    graphdef, state = sft.load_policy(config, workdir)
-    source = f"sft checkpoint in {workdir}"
-  else:
-    graphdef, state = policy_lib.init(ModelConfig.from_dict(config.model.to_dict()),
-                                      config.seed)
-    source = "random_init"
+  graphdef, state, source = mtp.load_workdir_policy(
+      config, _WORKDIR.value, which="random" if _RANDOM.value else "auto")
   # Held-out prompts padded to their buckets (a loop compiles once per bucket, before timing).
   prompts = benchmark.prompt_batches(config, 1, _PROMPTS.value)
   p = int(np.median([t.shape[1] for t, _ in prompts]))  # the parts' prompt bucket

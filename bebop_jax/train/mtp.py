@@ -273,6 +273,23 @@ def load_policy(config: ml_collections.ConfigDict, workdir: str
   return graphdef, nnx.merge_state(frozen, restored)
 
 
+def load_workdir_policy(config: ml_collections.ConfigDict, workdir: str | None, *,
+                        which: str = "auto") -> tuple[nnx.GraphDef, nnx.State, str]:
+  """(graphdef, parameters, where they came from) for benchmarks: the MTP stage's policy
+  (which "mtp", or "auto" when that stage completed in `workdir`), else the SFT stage's
+  (with its jointly trained MTP module), else a random policy of the config's shape (also
+  for which "random")."""
+  if which not in ("auto", "mtp", "sft", "random"):
+    raise ValueError(f"which={which!r} is not allowed: one of auto, mtp, sft, random")
+  use_mtp = which == "mtp" or (which == "auto" and workdir and read_summary(workdir) is not None)
+  if which != "random" and workdir and use_mtp:
+    return (*load_policy(config, workdir), f"sft + mtp checkpoint in {workdir}")
+  if which != "random" and workdir and sft.read_summary(workdir) is not None:
+    return (*sft.load_policy(config, workdir), f"sft checkpoint in {workdir}")
+  return (*policy_lib.init(ModelConfig.from_dict(config.model.to_dict()), config.seed),
+          "random_init")
+
+
 def _reinit_mtp(config, model_cfg: ModelConfig, params: nnx.State) -> nnx.State:
   """`params` with the MTP modules freshly initialised (the drafter learned from scratch)."""
   fresh = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(
