@@ -2,6 +2,7 @@
 
     tv = tv_distance(draft_logits, target_logits)            # best for the backend
     tv = tv_distance(d, t, implementation="pallas_tpu", interpret=True)   # CPU testing
+    tv = tv_distance(d, t, mesh=mesh, spec=P("data", None, "tensor"))     # sharded
     alpha = 1.0 - tv                                          # what the MTP losses use
 
 Every implementation returns the same value and the same gradient (see `common` for the
@@ -20,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from pallas_kernels.tv_loss import sharded
+
 IMPLEMENTATIONS = ("reference", "xla_blockwise", "pallas_tpu", "pallas_gpu")
 FALLBACK = "xla_blockwise"
 _BACKEND_DEFAULT = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
@@ -34,12 +37,22 @@ def _implementation_fn(name: str):
 
 @functools.lru_cache(maxsize=None)
 def _compile_error(name: str, shape: tuple[int, int], draft_dtype, target_dtype,
-                   block_size: int | None) -> str | None:
-  """Lowers and compiles forward + backward of `name` at this shape; the error text or None."""
-  fn = _implementation_fn(name)
-  loss = lambda d, t: jnp.sum(fn(d, t, block_size=block_size))
+                   block_size: int | None, split: bool = False) -> str | None:
+  """Lowers and compiles forward + backward of `name` at this shape (`split`: its separate
+  passes, as a vocabulary-split mesh runs them); the error text or None."""
+  if split:
+    module = importlib.import_module(f"pallas_kernels.tv_loss.{name}")
+
+    def loss(d, t):
+      lse_q, lse_p = module.logsumexp(d, t, block_size=block_size)
+      alpha, below_mass = module.overlap(d, t, lse_q, lse_p, block_size=block_size)
+      return jnp.sum(alpha), module.draft_grad(d, t, lse_q, lse_p, below_mass, alpha,
+                                               block_size=block_size)
+  else:
+    fn = _implementation_fn(name)
+    loss = jax.value_and_grad(lambda d, t: jnp.sum(fn(d, t, block_size=block_size)))
   try:
-    jax.jit(jax.value_and_grad(loss)).lower(
+    jax.jit(loss).lower(
         jax.ShapeDtypeStruct(shape, draft_dtype),
         jax.ShapeDtypeStruct(shape, target_dtype)).compile()
   except Exception as e:  # pylint: disable=broad-except  # any lowering/compile failure
@@ -47,11 +60,12 @@ def _compile_error(name: str, shape: tuple[int, int], draft_dtype, target_dtype,
   return None
 
 
-def _pick_implementation(shape, draft_dtype, target_dtype, block_size, interpret) -> str:
+def _pick_implementation(shape, draft_dtype, target_dtype, block_size, interpret,
+                         split: bool = False) -> str:
   name = _BACKEND_DEFAULT.get(jax.default_backend(), FALLBACK)
   if name == FALLBACK or interpret:
     return name
-  error = _compile_error(name, shape, draft_dtype, target_dtype, block_size)
+  error = _compile_error(name, shape, draft_dtype, target_dtype, block_size, split)
   if error is None:
     return name
   if name not in _warned_fallbacks:
@@ -64,7 +78,8 @@ def _pick_implementation(shape, draft_dtype, target_dtype, block_size, interpret
 
 def tv_distance(draft_logits: jax.Array, target_logits: jax.Array, *,
                 implementation: str | None = None, block_size: int | None = None,
-                interpret: Any = False) -> jax.Array:
+                interpret: Any = False, mesh: jax.sharding.Mesh | None = None,
+                spec: jax.sharding.PartitionSpec | None = None) -> jax.Array:
   """Total-variation distance 0.5 * sum_v |p_v - q_v| per row, in float32.
 
   Args:
@@ -77,6 +92,10 @@ def tv_distance(draft_logits: jax.Array, target_logits: jax.Array, *,
     block_size: vocabulary columns per block (None: the implementation's default).
     interpret: passed to every `pallas_call` (True, or a Pallas InterpretParams) to run
       the Pallas kernels on CPU.
+    mesh, spec: run on `mesh` with both logits laid out by the PartitionSpec `spec` (one
+      entry per dimension; the last splits the vocabulary): `sharded` wraps the
+      implementation in shard_map, so each device works on its own rows and columns. None
+      (the default): one program over the whole arrays.
 
   Returns:
     [...] float32 TV in [0, 1]. Logits of -inf are masked entries (probability 0); each
@@ -91,6 +110,18 @@ def tv_distance(draft_logits: jax.Array, target_logits: jax.Array, *,
   if draft_logits.shape != target_logits.shape or draft_logits.ndim < 1:
     raise ValueError(f"draft and target logits must have one shape [..., V]; got "
                      f"{draft_logits.shape} and {target_logits.shape}.")
+  if (mesh is None) != (spec is None):
+    raise ValueError("tv_distance needs both mesh and spec to run sharded, or neither; got "
+                     f"mesh={mesh}, spec={spec}.")
+  if mesh is not None:
+    sharded.check_spec(mesh, spec, draft_logits.shape)
+    if implementation is None:
+      implementation = _pick_implementation(
+          sharded.local_shape(mesh, spec, draft_logits.shape), draft_logits.dtype,
+          target_logits.dtype, block_size, interpret,
+          split=sharded.vocab_shards(mesh, spec) > 1)
+    return sharded.tv_distance(implementation, draft_logits, target_logits, mesh=mesh,
+                               spec=spec, block_size=block_size, interpret=interpret)
   *batch, vocab = draft_logits.shape
   shape = (math.prod(batch), vocab)
   draft_2d = draft_logits.reshape(shape)

@@ -58,3 +58,15 @@ def draft_logit_grad(log_q: jax.Array, log_p: jax.Array, below_mass: jax.Array,
                      tv_cotangent: jax.Array) -> jax.Array:
   """g * d TV / d z = g * q (S - 1[q < p]) elementwise; S (`below_mass`) and g per row."""
   return tv_cotangent * jnp.exp(log_q) * (below_mass - below(log_q, log_p))
+
+
+def dense_draft_grad(draft_logits: jax.Array, target_logits: jax.Array, lse_q: jax.Array,
+                     lse_p: jax.Array, below_mass: jax.Array, cotangent: jax.Array, *,
+                     block_size=None, interpret=False) -> jax.Array:
+  """`draft_logit_grad` over whole [N, V] logits from [N] residuals, in draft's dtype: XLA
+  emits it as one elementwise fusion. `block_size` and `interpret` are unused."""
+  del block_size, interpret
+  grad = draft_logit_grad(draft_logits.astype(jnp.float32) - lse_q[:, None],
+                          target_logits.astype(jnp.float32) - lse_p[:, None],
+                          below_mass[:, None], cotangent[:, None])
+  return grad.astype(draft_logits.dtype)

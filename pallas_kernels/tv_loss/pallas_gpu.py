@@ -33,12 +33,11 @@ def _load_block(ref, index: jax.Array, block: int):
   return values.astype(jnp.float32), inside
 
 
-def _stats_kernel(draft_ref, target_ref,  # [V] row
-                  tv_ref, lse_q_ref, lse_p_ref, below_mass_ref,  # scalars
-                  *, block: int):
+def _row_logsumexp(draft_ref, target_ref, block: int):
+  """(lse_q, lse_p) of one row, by an online log-sum-exp over its vocabulary blocks."""
   num_blocks = pl.cdiv(draft_ref.shape[0], block)
 
-  def logsumexp_body(i, carry):
+  def body(i, carry):
     max_q, sum_q, max_p, sum_p = carry
     z, _ = _load_block(draft_ref, i, block)
     t, _ = _load_block(target_ref, i, block)
@@ -52,12 +51,14 @@ def _stats_kernel(draft_ref, target_ref,  # [V] row
     return new_max_q, sum_q, new_max_p, sum_p
 
   neg_inf, zero = jnp.float32(common.NEG_INF), jnp.float32(0.0)
-  max_q, sum_q, max_p, sum_p = lax.fori_loop(
-      0, num_blocks, logsumexp_body, (neg_inf, zero, neg_inf, zero))
-  lse_q = max_q + jnp.log(sum_q)
-  lse_p = max_p + jnp.log(sum_p)
+  max_q, sum_q, max_p, sum_p = lax.fori_loop(0, num_blocks, body, (neg_inf, zero, neg_inf, zero))
+  return max_q + jnp.log(sum_q), max_p + jnp.log(sum_p)
 
-  def overlap_body(i, carry):
+
+def _row_overlap(draft_ref, target_ref, lse_q, lse_p, block: int):
+  """(sum min(p, q), sum_{q<p} q) of one row under the normalisers lse_q, lse_p."""
+
+  def body(i, carry):
     alpha, below_mass = carry
     z, _ = _load_block(draft_ref, i, block)
     t, _ = _load_block(target_ref, i, block)
@@ -66,12 +67,33 @@ def _stats_kernel(draft_ref, target_ref,  # [V] row
     return alpha + smaller, below_mass + smaller_below
 
   alpha, below_mass = lax.fori_loop(
-      0, num_blocks, overlap_body,
+      0, pl.cdiv(draft_ref.shape[0], block), body,
       (jnp.zeros(block, jnp.float32), jnp.zeros(block, jnp.float32)))
-  tv_ref[...] = common.tv_from_alpha(jnp.sum(alpha))
+  return jnp.sum(alpha), jnp.sum(below_mass)
+
+
+def _stats_kernel(draft_ref, target_ref,  # [V] row
+                  tv_ref, lse_q_ref, lse_p_ref, below_mass_ref,  # scalars
+                  *, block: int):
+  lse_q, lse_p = _row_logsumexp(draft_ref, target_ref, block)
+  alpha, below_mass = _row_overlap(draft_ref, target_ref, lse_q, lse_p, block)
+  tv_ref[...] = common.tv_from_alpha(alpha)
   lse_q_ref[...] = lse_q
   lse_p_ref[...] = lse_p
-  below_mass_ref[...] = jnp.sum(below_mass)
+  below_mass_ref[...] = below_mass
+
+
+# The two passes as kernels of their own, for a vocabulary split across devices (`sharded`).
+
+
+def _logsumexp_kernel(draft_ref, target_ref, lse_q_ref, lse_p_ref, *, block: int):
+  lse_q_ref[...], lse_p_ref[...] = _row_logsumexp(draft_ref, target_ref, block)
+
+
+def _overlap_kernel(draft_ref, target_ref, lse_q_ref, lse_p_ref, alpha_ref, below_mass_ref,
+                    *, block: int):
+  alpha_ref[...], below_mass_ref[...] = _row_overlap(draft_ref, target_ref, lse_q_ref[...],
+                                                     lse_p_ref[...], block)
 
 
 def _grad_kernel(draft_ref, target_ref,  # [V] row
@@ -153,3 +175,38 @@ def tv_distance(draft_logits: jax.Array, target_logits: jax.Array, *,
   """[N, V] logits -> [N] float32 TV distance; see the module docstring."""
   return _make_tv_distance(block_size or DEFAULT_BLOCK_SIZE, interpret)(
       draft_logits, target_logits)
+
+
+def _pass_call(kernel, draft, target, extra_inputs, block_size, interpret, name):
+  """One program per row: two [N] float32 results; `extra_inputs` are [N] per-row inputs."""
+  rows, vocab = draft.shape
+  per_row = jax.ShapeDtypeStruct((rows,), jnp.float32)
+  return pl.pallas_call(
+      functools.partial(kernel, block=_block(vocab, block_size or DEFAULT_BLOCK_SIZE)),
+      out_shape=(per_row,) * 2,
+      grid=(rows,),
+      in_specs=[_ROW(vocab), _ROW(vocab)] + [_SCALAR] * len(extra_inputs),
+      out_specs=(_SCALAR,) * 2,
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+      interpret=interpret,
+      name=name,
+  )(draft, target, *extra_inputs)
+
+
+def logsumexp(draft_logits, target_logits, *, block_size=None, interpret=False):
+  """Pass 1 on [N, V] logits: (lse_q, lse_p), each [N] float32."""
+  return _pass_call(_logsumexp_kernel, draft_logits, target_logits, (), block_size, interpret,
+                    "tv_distance_logsumexp")
+
+
+def overlap(draft_logits, target_logits, lse_q, lse_p, *, block_size=None, interpret=False):
+  """Pass 2 on [N, V] logits under given normalisers [N]: (sum min(p, q), sum_{q<p} q), [N]."""
+  return _pass_call(_overlap_kernel, draft_logits, target_logits, (lse_q, lse_p), block_size,
+                    interpret, "tv_distance_overlap")
+
+
+def draft_grad(draft_logits, target_logits, lse_q, lse_p, below_mass, cotangent, *,
+               block_size=None, interpret=False):
+  """cotangent * d TV / d draft_logits, [N, V] in draft's dtype, from [N] residuals."""
+  return _backward(draft_logits, target_logits, lse_q, lse_p, below_mass, cotangent,
+                   block_size or DEFAULT_BLOCK_SIZE, interpret)

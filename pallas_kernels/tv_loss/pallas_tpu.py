@@ -27,54 +27,115 @@ DEFAULT_BLOCK_SIZE = 2048  # vocab columns, a multiple of 128 lanes
 DEFAULT_BLOCK_ROWS = 32  # a multiple of the 8 (f32) and 16 (bf16) sublane tiles
 
 
+def _load(draft_ref, target_ref, j, vocab: int, block_cols: int):
+  """The [br, bv] blocks as float32, and which columns lie inside V (None: all do)."""
+  z = draft_ref[...].astype(jnp.float32)
+  t = target_ref[...].astype(jnp.float32)
+  if vocab % block_cols == 0:
+    return z, t, None
+  column = j * block_cols + lax.broadcasted_iota(jnp.int32, z.shape, 1)
+  return z, t, column < vocab
+
+
+def _init_logsumexp(max_q, sum_q, max_p, sum_p):
+  max_q[...] = jnp.full(max_q.shape, common.NEG_INF, jnp.float32)
+  max_p[...] = jnp.full(max_p.shape, common.NEG_INF, jnp.float32)
+  sum_q[...] = jnp.zeros(sum_q.shape, jnp.float32)
+  sum_p[...] = jnp.zeros(sum_p.shape, jnp.float32)
+
+
+def _logsumexp_step(z, t, inside, max_q, sum_q, max_p, sum_p):
+  if inside is not None:
+    z = jnp.where(inside, z, common.NEG_INF)
+    t = jnp.where(inside, t, common.NEG_INF)
+  max_q[...], sum_q[...] = common.online_logsumexp_update(max_q[...], sum_q[...], z)
+  max_p[...], sum_p[...] = common.online_logsumexp_update(max_p[...], sum_p[...], t)
+
+
+def _overlap_step(z, t, inside, lse_q, lse_p, alpha, below_mass):
+  smaller, smaller_below = common.min_prob_and_below(z - lse_q, t - lse_p)
+  if inside is not None:
+    smaller = jnp.where(inside, smaller, 0.0)
+    smaller_below = jnp.where(inside, smaller_below, 0.0)
+  alpha[...] += jnp.sum(smaller, axis=1, keepdims=True)
+  below_mass[...] += jnp.sum(smaller_below, axis=1, keepdims=True)
+
+
+def _zero(*refs):
+  for ref in refs:
+    ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+
 def _stats_kernel(draft_ref, target_ref,  # [br, bv] blocks
                   tv_ref, lse_q_ref, lse_p_ref, below_mass_ref,  # [br, 1] outputs
                   max_q, sum_q, max_p, sum_p, alpha, below_mass,  # [br, 1] VMEM scratch
                   *, vocab: int, block_cols: int):
   phase, j = pl.program_id(1), pl.program_id(2)
   last_j = pl.num_programs(2) - 1
-  z = draft_ref[...].astype(jnp.float32)
-  t = target_ref[...].astype(jnp.float32)
-  ragged = vocab % block_cols != 0
-  if ragged:
-    column = j * block_cols + lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    inside = column < vocab
+  z, t, inside = _load(draft_ref, target_ref, j, vocab, block_cols)
 
   @pl.when((phase == 0) & (j == 0))
-  def _init_logsumexp():
-    max_q[...] = jnp.full(max_q.shape, common.NEG_INF, jnp.float32)
-    max_p[...] = jnp.full(max_p.shape, common.NEG_INF, jnp.float32)
-    sum_q[...] = jnp.zeros(sum_q.shape, jnp.float32)
-    sum_p[...] = jnp.zeros(sum_p.shape, jnp.float32)
+  def _init():
+    _init_logsumexp(max_q, sum_q, max_p, sum_p)
 
   @pl.when(phase == 0)
   def _logsumexp():
-    zm = jnp.where(inside, z, common.NEG_INF) if ragged else z
-    tm = jnp.where(inside, t, common.NEG_INF) if ragged else t
-    max_q[...], sum_q[...] = common.online_logsumexp_update(max_q[...], sum_q[...], zm)
-    max_p[...], sum_p[...] = common.online_logsumexp_update(max_p[...], sum_p[...], tm)
+    _logsumexp_step(z, t, inside, max_q, sum_q, max_p, sum_p)
 
   @pl.when((phase == 0) & (j == last_j))
   def _finish_logsumexp():  # from here on max_q / max_p hold the log-sum-exps
     max_q[...] = max_q[...] + jnp.log(sum_q[...])
     max_p[...] = max_p[...] + jnp.log(sum_p[...])
-    alpha[...] = jnp.zeros(alpha.shape, jnp.float32)
-    below_mass[...] = jnp.zeros(below_mass.shape, jnp.float32)
+    _zero(alpha, below_mass)
 
   @pl.when(phase == 1)
   def _overlap():
-    smaller, smaller_below = common.min_prob_and_below(z - max_q[...], t - max_p[...])
-    if ragged:
-      smaller = jnp.where(inside, smaller, 0.0)
-      smaller_below = jnp.where(inside, smaller_below, 0.0)
-    alpha[...] += jnp.sum(smaller, axis=1, keepdims=True)
-    below_mass[...] += jnp.sum(smaller_below, axis=1, keepdims=True)
+    _overlap_step(z, t, inside, max_q[...], max_p[...], alpha, below_mass)
 
   @pl.when((phase == 1) & (j == last_j))
   def _finish():
     tv_ref[...] = common.tv_from_alpha(alpha[...])
     lse_q_ref[...] = max_q[...]
     lse_p_ref[...] = max_p[...]
+    below_mass_ref[...] = below_mass[...]
+
+
+# The two passes as kernels of their own, for a vocabulary split across devices (`sharded`):
+# grid (row blocks, vocab blocks), the per-row results written at the last vocab block.
+
+
+def _logsumexp_kernel(draft_ref, target_ref, lse_q_ref, lse_p_ref,  # [br, bv] in, [br, 1] out
+                      max_q, sum_q, max_p, sum_p, *, vocab: int, block_cols: int):
+  j = pl.program_id(1)
+  z, t, inside = _load(draft_ref, target_ref, j, vocab, block_cols)
+
+  @pl.when(j == 0)
+  def _init():
+    _init_logsumexp(max_q, sum_q, max_p, sum_p)
+
+  _logsumexp_step(z, t, inside, max_q, sum_q, max_p, sum_p)
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _finish():
+    lse_q_ref[...] = max_q[...] + jnp.log(sum_q[...])
+    lse_p_ref[...] = max_p[...] + jnp.log(sum_p[...])
+
+
+def _overlap_kernel(draft_ref, target_ref, lse_q_ref, lse_p_ref,  # [br, bv], [br, 1] in
+                    alpha_ref, below_mass_ref,  # [br, 1] out
+                    alpha, below_mass, *, vocab: int, block_cols: int):
+  j = pl.program_id(1)
+  z, t, inside = _load(draft_ref, target_ref, j, vocab, block_cols)
+
+  @pl.when(j == 0)
+  def _init():
+    _zero(alpha, below_mass)
+
+  _overlap_step(z, t, inside, lse_q_ref[...], lse_p_ref[...], alpha, below_mass)
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _finish():
+    alpha_ref[...] = alpha[...]
     below_mass_ref[...] = below_mass[...]
 
 
@@ -164,3 +225,48 @@ def tv_distance(draft_logits: jax.Array, target_logits: jax.Array, *,
   """[N, V] logits -> [N] float32 TV distance; see the module docstring."""
   return _make_tv_distance(block_size or DEFAULT_BLOCK_SIZE, block_rows, interpret)(
       draft_logits, target_logits)
+
+
+def _pass_call(kernel, draft, target, extra_inputs, num_scratch, block_size, block_rows,
+               interpret, name):
+  """One pass over (row blocks, vocab blocks): two [N] float32 results; `extra_inputs` are
+  [N] per-row inputs, `num_scratch` the kernel's [br, 1] VMEM accumulators."""
+  rows, vocab = draft.shape
+  block_rows, block_cols = _blocks(draft.shape, block_size or DEFAULT_BLOCK_SIZE, block_rows)
+  logits_spec = pl.BlockSpec((block_rows, block_cols), lambda i, j: (i, j))
+  row_spec = pl.BlockSpec((block_rows, 1), lambda i, j: (i, 0))
+  per_row = jax.ShapeDtypeStruct((rows, 1), jnp.float32)
+  outs = pl.pallas_call(
+      functools.partial(kernel, vocab=vocab, block_cols=block_cols),
+      out_shape=(per_row,) * 2,
+      grid=(pl.cdiv(rows, block_rows), pl.cdiv(vocab, block_cols)),
+      in_specs=[logits_spec, logits_spec] + [row_spec] * len(extra_inputs),
+      out_specs=(row_spec,) * 2,
+      scratch_shapes=[pltpu.VMEM((block_rows, 1), jnp.float32)] * num_scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      interpret=interpret,
+      name=name,
+  )(draft, target, *[x[:, None] for x in extra_inputs])
+  return tuple(o[:, 0] for o in outs)
+
+
+def logsumexp(draft_logits, target_logits, *, block_size=None,
+              block_rows: int = DEFAULT_BLOCK_ROWS, interpret=False):
+  """Pass 1 on [N, V] logits: (lse_q, lse_p), each [N] float32."""
+  return _pass_call(_logsumexp_kernel, draft_logits, target_logits, (), 4, block_size,
+                    block_rows, interpret, "tv_distance_logsumexp")
+
+
+def overlap(draft_logits, target_logits, lse_q, lse_p, *, block_size=None,
+            block_rows: int = DEFAULT_BLOCK_ROWS, interpret=False):
+  """Pass 2 on [N, V] logits under given normalisers [N]: (sum min(p, q), sum_{q<p} q), [N]."""
+  return _pass_call(_overlap_kernel, draft_logits, target_logits, (lse_q, lse_p), 2,
+                    block_size, block_rows, interpret, "tv_distance_overlap")
+
+
+def draft_grad(draft_logits, target_logits, lse_q, lse_p, below_mass, cotangent, *,
+               block_size=None, block_rows: int = DEFAULT_BLOCK_ROWS, interpret=False):
+  """cotangent * d TV / d draft_logits, [N, V] in draft's dtype, from [N] residuals."""
+  return _backward(draft_logits, target_logits, lse_q[:, None], lse_p[:, None],
+                   below_mass[:, None], cotangent, block_size or DEFAULT_BLOCK_SIZE,
+                   block_rows, interpret)

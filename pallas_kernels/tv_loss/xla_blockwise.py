@@ -46,14 +46,16 @@ def _column_block(x: jax.Array, index: jax.Array, block: int) -> tuple[jax.Array
   return columns, fresh
 
 
-def _forward(draft: jax.Array, target: jax.Array, block: int):
-  """Returns (tv, lse_q, lse_p, below_mass) for [N, V] logits, the last three [N, 1]."""
-  rows, vocab = draft.shape
-  num_blocks = -(-vocab // block)
-  ragged = vocab % block != 0
-  per_row = lambda value: jnp.full((rows, 1), value, jnp.float32)
+def _per_row(rows: int, value: float) -> jax.Array:
+  return jnp.full((rows, 1), value, jnp.float32)
 
-  def logsumexp_body(i, carry):
+
+def _logsumexp(draft: jax.Array, target: jax.Array, block: int):
+  """Pass 1: (lse_q, lse_p), each [N, 1], by an online log-sum-exp over column blocks."""
+  rows, vocab = draft.shape
+  ragged = vocab % block != 0
+
+  def body(i, carry):
     max_q, sum_q, max_p, sum_p = carry
     z, fresh = _column_block(draft, i, block)
     t, _ = _column_block(target, i, block)
@@ -64,12 +66,18 @@ def _forward(draft: jax.Array, target: jax.Array, block: int):
     max_p, sum_p = common.online_logsumexp_update(max_p, sum_p, t)
     return max_q, sum_q, max_p, sum_p
 
-  init = (per_row(common.NEG_INF), per_row(0.0)) * 2
-  max_q, sum_q, max_p, sum_p = lax.fori_loop(0, num_blocks, logsumexp_body, init)
-  lse_q = max_q + jnp.log(sum_q)
-  lse_p = max_p + jnp.log(sum_p)
+  init = (_per_row(rows, common.NEG_INF), _per_row(rows, 0.0)) * 2
+  max_q, sum_q, max_p, sum_p = lax.fori_loop(0, -(-vocab // block), body, init)
+  return max_q + jnp.log(sum_q), max_p + jnp.log(sum_p)
 
-  def overlap_body(i, carry):
+
+def _overlap(draft: jax.Array, target: jax.Array, lse_q: jax.Array, lse_p: jax.Array,
+             block: int):
+  """Pass 2: (alpha, S), each [N, 1], under the normalisers lse_q, lse_p ([N, 1])."""
+  rows, vocab = draft.shape
+  ragged = vocab % block != 0
+
+  def body(i, carry):
     alpha, below_mass = carry
     z, fresh = _column_block(draft, i, block)
     t, _ = _column_block(target, i, block)
@@ -80,7 +88,14 @@ def _forward(draft: jax.Array, target: jax.Array, block: int):
     return (alpha + jnp.sum(smaller, axis=1, keepdims=True),
             below_mass + jnp.sum(smaller_below, axis=1, keepdims=True))
 
-  alpha, below_mass = lax.fori_loop(0, num_blocks, overlap_body, (per_row(0.0), per_row(0.0)))
+  init = (_per_row(rows, 0.0), _per_row(rows, 0.0))
+  return lax.fori_loop(0, -(-vocab // block), body, init)
+
+
+def _forward(draft: jax.Array, target: jax.Array, block: int):
+  """Returns (tv, lse_q, lse_p, below_mass) for [N, V] logits, the last three [N, 1]."""
+  lse_q, lse_p = _logsumexp(draft, target, block)
+  alpha, below_mass = _overlap(draft, target, lse_q, lse_p, block)
   return common.tv_from_alpha(alpha[:, 0]), lse_q, lse_p, below_mass
 
 
@@ -98,10 +113,9 @@ def _make_tv_distance(block: int):
 
   def bwd(residuals, tv_cotangent):
     draft, target, lse_q, lse_p, below_mass = residuals
-    grad = common.draft_logit_grad(draft.astype(jnp.float32) - lse_q,
-                                   target.astype(jnp.float32) - lse_p,
-                                   below_mass, tv_cotangent[:, None])
-    return grad.astype(draft.dtype), None  # target is stop-gradient: zero cotangent
+    grad = common.dense_draft_grad(draft, target, lse_q[:, 0], lse_p[:, 0], below_mass[:, 0],
+                                   tv_cotangent)
+    return grad, None  # target is stop-gradient: zero cotangent
 
   tv_distance_2d.defvjp(fwd, bwd)
   return tv_distance_2d
@@ -111,5 +125,30 @@ def tv_distance(draft_logits: jax.Array, target_logits: jax.Array, *,
                 block_size: int | None = None, interpret=False) -> jax.Array:
   """[N, V] logits -> [N] float32 TV distance; see the module docstring. `interpret` unused."""
   del interpret
-  block = min(block_size or DEFAULT_BLOCK_SIZE, draft_logits.shape[1])
-  return _make_tv_distance(block)(draft_logits, target_logits)
+  return _make_tv_distance(_block(draft_logits, block_size))(draft_logits, target_logits)
+
+
+def _block(x: jax.Array, block_size: int | None) -> int:
+  return min(block_size or DEFAULT_BLOCK_SIZE, x.shape[1])
+
+
+# The passes on their own, for a vocabulary split across devices (`sharded`): the caller
+# combines the per-shard log-sum-exps and sums across shards in between. Rows are [N].
+
+
+def logsumexp(draft_logits, target_logits, *, block_size=None, interpret=False):
+  """Pass 1 on [N, V] logits: (lse_q, lse_p), each [N] float32. `interpret` unused."""
+  del interpret
+  lse_q, lse_p = _logsumexp(draft_logits, target_logits, _block(draft_logits, block_size))
+  return lse_q[:, 0], lse_p[:, 0]
+
+
+def overlap(draft_logits, target_logits, lse_q, lse_p, *, block_size=None, interpret=False):
+  """Pass 2 on [N, V] logits under given normalisers [N]: (sum min(p, q), sum_{q<p} q), [N]."""
+  del interpret
+  alpha, below_mass = _overlap(draft_logits, target_logits, lse_q[:, None], lse_p[:, None],
+                               _block(draft_logits, block_size))
+  return alpha[:, 0], below_mass[:, 0]
+
+
+draft_grad = common.dense_draft_grad
