@@ -105,6 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mtp.loss = "e2e_tv"            # bebop_jax.losses.mtp.LOSSES
   c.mtp.depth_weights = ()         # K weights of the per-depth terms; () = uniform
   c.mtp.tv_implementation = "auto"  # or one of pallas_kernels.tv_loss.IMPLEMENTATIONS
+  c.mtp.tv_interpret = False       # run the Pallas TV kernels in interpret mode (on CPU)
   c.mtp.temperature = 1.0          # rollouts are sampled, and distributions compared, at this
   c.mtp.init_from = ""             # workdir holding the SFT stage; "" = this workdir
   c.mtp.reinit = False             # re-initialise the MTP modules: learn the drafter from scratch
@@ -388,6 +389,8 @@ def _validate_mtp(config: ml_collections.ConfigDict) -> None:
   if m.tv_implementation not in ("auto",) + tuple(tv_loss.IMPLEMENTATIONS):
     _fail("mtp.tv_implementation", m.tv_implementation,
           f"one of {('auto',) + tuple(tv_loss.IMPLEMENTATIONS)}")
+  if not isinstance(m.tv_interpret, bool):
+    _fail("mtp.tv_interpret", m.tv_interpret, "True or False")
   if not isinstance(m.temperature, (int, float)) or m.temperature <= 0:
     _fail("mtp.temperature", m.temperature, "must be a number > 0")
   if not isinstance(m.init_from, str):

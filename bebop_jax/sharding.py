@@ -173,6 +173,16 @@ def current_mesh() -> Mesh | None:
   return _LOCAL.stack[-1][0] if _LOCAL.stack else None
 
 
+def current_spec(logical_axes: Sequence[str | None],
+                 shape: Sequence[int]) -> tuple[Mesh | None, PartitionSpec | None]:
+  """(mesh, spec) of an array with `logical_axes` under the current mesh and rules, for code
+  that lays out its own work (shard_map); (None, None) without a mesh."""
+  mesh = current_mesh()
+  if mesh is None:
+    return None, None
+  return mesh, logical_to_spec(logical_axes, _LOCAL.stack[-1][1], mesh, shape)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Constrains an activation's sharding by its logical axes; identity with no mesh."""
   if not _LOCAL.stack or _LOCAL.stack[-1][0] is None:

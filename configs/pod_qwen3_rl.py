@@ -30,7 +30,6 @@ def get_config(arg: str | None = None):
   # stages) and batch sizes of the SFT pod config.
   config = config_lib.load_file(os.path.join(os.path.dirname(__file__), "pod_qwen3.py"), size)
   config.stages = ("rl",)
-  config.mtp.batch_size = 64
 
   p = config.rl.placement
   p.mode = "split"

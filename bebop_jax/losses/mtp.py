@@ -14,7 +14,10 @@ positions (the chain mask `mtp_mask[k]`, and x_{i+k+1} a loss target):
 terms of e2e_tv (normalised to sum to 1). Whatever is trained, the metrics report per depth
 alpha_k, tv_k, kl_k, ce_k, and the expected accepted length sum_k prod_{j<=k} alpha_j.
 The TV goes through `pallas_kernels.tv_loss.tv_distance` (analytic gradient, streamed over
-the vocabulary; `tv_implementation` picks the kernel, None the backend's best).
+the vocabulary; `tv_implementation` picks the kernel, None the backend's best, and
+`tv_interpret` runs the Pallas kernels in interpret mode, as on CPU). Under a mesh
+(`sharding.use_mesh`) the kernel runs in shard_map with the logits' layout from the
+logical-axis rules: rows over the batch axes, the vocabulary over the head's vocab axis.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from bebop_jax import sharding
 from bebop_jax.losses.lm import shift_left_axis1, token_cross_entropy
 from bebop_jax.model.model import shift_left
 from pallas_kernels.tv_loss import tv_distance
 
 LOSSES = ("ce", "kl", "tv", "e2e_tv")
+LOGITS_AXES = (None, "batch", "length", "vocab")  # the chain's [K, B, T, V] logits
 
 
 def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -61,8 +66,8 @@ def expected_accepted_length(alphas: jax.Array) -> jax.Array:
 
 def mtp_loss(out: dict[str, jax.Array], tokens: jax.Array, loss_mask: jax.Array, *,
              loss: str, depth_weights: Sequence[float] | None = None,
-             tv_implementation: str | None = None, temperature: float = 1.0
-             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+             tv_implementation: str | None = None, tv_interpret: bool = False,
+             temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The MTP objective `loss` (one of LOSSES) and per-depth metrics.
 
   Args:
@@ -85,7 +90,9 @@ def mtp_loss(out: dict[str, jax.Array], tokens: jax.Array, loss_mask: jax.Array,
                      for k in range(k_steps)])                        # [K, B, T]
   # Invalid positions (padding, chain past a segment end) still go through the kernel but
   # are masked; their target is zeros there (finite), so values and gradients are finite.
-  tv = tv_distance(draft, target, implementation=tv_implementation)  # [K, B, T]
+  mesh, spec = sharding.current_spec(LOGITS_AXES, draft.shape)
+  tv = tv_distance(draft, target, implementation=tv_implementation, interpret=tv_interpret,
+                   mesh=mesh, spec=spec)                              # [K, B, T]
   alpha = 1.0 - tv
   ce = jnp.stack([token_cross_entropy(draft[k], shift_left(tokens, k + 2))
                   for k in range(k_steps)])

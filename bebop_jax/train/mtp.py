@@ -311,6 +311,7 @@ def make_loss_fn(config: ml_collections.ConfigDict):
                 mtp_stop_gradient=True)
     return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=m.loss,
                                depth_weights=depth_weights, tv_implementation=impl,
+                               tv_interpret=m.tv_interpret,
                                temperature=m.temperature)
 
   return loss_fn
