@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
+import os
 import re
 from typing import Any
 
@@ -17,7 +19,7 @@ import ml_collections
 
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.model import config as model_config
 
 STAGES = ("data", "sft", "mtp", "rl", "eval")  # stages of bebop_jax.main, run in this order
@@ -71,6 +73,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.num_train = 20_000
   c.data.num_test = 256
   c.data.num_rl = 1024  # RL training prompts per task (in neither train nor test)
+  # "char" (character level), or the path of a Hugging Face tokenizer.json or of a directory
+  # holding one; validate() makes it the active tokenizer (bebop_jax.data.tokenizer).
+  c.data.tokenizer = tokenizer_lib.CHAR
   c.data.tasks = ml_collections.ConfigDict()
   for name in tasks_lib.TASK_NAMES:
     c.data.tasks[name] = ml_collections.ConfigDict(
@@ -99,6 +104,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.optim = optim_defaults()
   c.sft.train = loop_defaults()
   c.sft.mtp_loss_weight = 0.3  # lambda of the joint MTP cross-entropy; 0 = off
+  c.sft.init_from_hf = ""      # a Hugging Face Qwen3 checkpoint directory; "" = random init
+  c.sft.hf_mtp = "auto"        # its MTP modules: bebop_jax.model.hf.MTP_MODES
 
   # MTP stage (bebop_jax.train.mtp): the drafter trained on the frozen SFT policy's rollouts.
   c.mtp = ml_collections.ConfigDict()
@@ -258,6 +265,28 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]
   return config
 
 
+def _validate_init_from_hf(s: Any, model: Any) -> None:
+  """sft.init_from_hf: a readable Qwen3 config.json describing config.model's decoder."""
+  from bebop_jax.model import hf  # pylint: disable=g-import-not-at-top
+  if s.hf_mtp not in hf.MTP_MODES:
+    _fail("sft.hf_mtp", s.hf_mtp, f"one of {hf.MTP_MODES}")
+  if not isinstance(s.init_from_hf, str):
+    _fail("sft.init_from_hf", s.init_from_hf, "must be a checkpoint directory ('' = none)")
+  if not s.init_from_hf:
+    return
+  path = os.path.join(s.init_from_hf, "config.json")
+  if not os.path.exists(path):
+    _fail("sft.init_from_hf", s.init_from_hf, f"a Hugging Face checkpoint directory with "
+          f"config.json and *.safetensors; {path} does not exist")
+  with open(path) as f:
+    try:
+      checkpoint = hf.config_from_hf(json.load(f), num_mtp_modules=model.num_mtp_modules,
+                                     num_draft_steps=model.num_draft_steps)
+      hf.check_matches(checkpoint, model, f"config.sft.init_from_hf={s.init_from_hf!r}")
+    except (ValueError, KeyError) as e:
+      raise ConfigError(f"config.sft.init_from_hf={s.init_from_hf!r}: {e}") from e
+
+
 def _fail(key: str, value: Any, allowed: str):
   raise ConfigError(f"config.{key}={value!r} is not allowed: {allowed}")
 
@@ -307,6 +336,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.packing", d.packing, "must be True or False")
   if not isinstance(d.canonical_examples, int) or d.canonical_examples < 0:
     _fail("data.canonical_examples", d.canonical_examples, "must be an int >= 0")
+  tok = _validate_tokenizer(d.tokenizer)
 
   total_weight = 0.0
   for name in tasks_lib.TASK_NAMES:
@@ -331,9 +361,11 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     model = model_config.ModelConfig.from_dict(config.model.to_dict())
   except ValueError as e:
     raise ConfigError(f"config.{e}") from e
-  vocab = get_tokenizer().vocab_size
-  if model.vocab_size < vocab:
-    _fail("model.vocab_size", model.vocab_size, f"must be >= the tokenizer's {vocab}")
+  if model.vocab_size < tok.vocab_size:
+    source = "" if d.tokenizer == tokenizer_lib.CHAR else (
+        f" (data.tokenizer={d.tokenizer!r}: {tok.num_used} tokens padded to a multiple of 128)")
+    _fail("model.vocab_size", model.vocab_size,
+          f"must be >= the tokenizer's {tok.vocab_size}{source}")
 
   mesh_sizes = _validate_mesh(config.mesh)
   data_parallel, batch_axes = _data_parallel(mesh_sizes, config.mesh.rules)
@@ -345,6 +377,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_training(config, "sft")
   if not isinstance(config.sft.mtp_loss_weight, (int, float)) or config.sft.mtp_loss_weight < 0:
     _fail("sft.mtp_loss_weight", config.sft.mtp_loss_weight, "must be a number >= 0")
+  _validate_init_from_hf(config.sft, model)
   _validate_mtp(config)
   _validate_rl(config, _validate_placement(config, data_parallel))
   r = config.report
@@ -369,7 +402,27 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not 0 < config.eval.top_p <= 1:
     _fail("eval.top_p", config.eval.top_p, "must be in (0, 1]")
   _positive_int(config, "preview.examples_per_task")
+  tokenizer_lib.set_tokenizer(tok)  # only a valid config changes the active tokenizer
   return config
+
+
+def _validate_tokenizer(spec: Any) -> tokenizer_lib.BaseTokenizer:
+  """data.tokenizer: loads it (the vocab check needs its size; a bad file fails here, before
+  any work)."""
+  allowed = (f"must be {tokenizer_lib.CHAR!r} or the path of a Hugging Face "
+             f"{tokenizer_lib.HF_FILE} (or of a directory holding one)")
+  if not isinstance(spec, str) or not spec:
+    _fail("data.tokenizer", spec, allowed)
+  path = os.path.expanduser(spec)
+  if spec != tokenizer_lib.CHAR and not os.path.exists(path):
+    _fail("data.tokenizer", spec, f"{allowed}; there is no such file or directory"
+          + ("" if path == spec else f" {path!r}"))
+  try:
+    return tokenizer_lib.load_tokenizer(spec)
+  except FileNotFoundError as e:
+    _fail("data.tokenizer", spec, f"{allowed}; {e}")
+  except ValueError as e:
+    _fail("data.tokenizer", spec, str(e))
 
 
 def _validate_mtp(config: ml_collections.ConfigDict) -> None:

@@ -12,6 +12,7 @@ import ml_collections
 from bebop_jax import config as config_lib
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import benchmark
 
 
@@ -93,14 +94,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   """Runs the config's stages in the canonical order. `release_compiled` drops JAX's
   compiled programs after each stage (benchmark.release_compiled: a long job on CPU would
   otherwise run out of memory maps); a caller running many small stages of one model keeps
-  them, and later stages reuse the traced and compiled programs of earlier ones."""
+  them, and later stages reuse the traced and compiled programs of earlier ones. The
+  config's `data.tokenizer` is the active tokenizer (`get_tokenizer()`) while they run."""
   from bebop_jax import report  # pylint: disable=g-import-not-at-top
   timing = {"started_at": time.time()}
-  for name in config_lib.STAGES:
-    if name in config.stages:
-      start = time.perf_counter()
-      STAGE_FNS[name](config, workdir)
-      if release_compiled:
-        benchmark.release_compiled()  # the next stage compiles its own functions
-      timing[f"{name}_s"] = time.perf_counter() - start
-      report.write_timing(workdir, timing)  # the eval stage reports the earlier stages
+  with tokenizer_lib.use_tokenizer(config.data.tokenizer):
+    for name in config_lib.STAGES:
+      if name in config.stages:
+        start = time.perf_counter()
+        STAGE_FNS[name](config, workdir)
+        if release_compiled:
+          benchmark.release_compiled()  # the next stage compiles its own functions
+        timing[f"{name}_s"] = time.perf_counter() - start
+        report.write_timing(workdir, timing)  # the eval stage reports the earlier stages

@@ -11,10 +11,14 @@ from bebop_jax import config as config_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Configs whose argument is required: a checkpoint directory (tests/test_hf_pipeline.py).
+NEEDS_ARG = {"qwen3_hf.py"}
+
+
 def test_base_and_experiment_configs_validate():
   config_lib.validate(config_lib.base_config())
   for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
-    if name.endswith(".py") and not name.startswith("_"):
+    if name.endswith(".py") and not name.startswith("_") and name not in NEEDS_ARG:
       config_lib.validate(config_lib.load_file(os.path.join(REPO, "configs", name)))
 
 

@@ -1,6 +1,8 @@
 """Tokenizer, TFDS builders and grain pipelines."""
 
-from bebop_jax.data.tokenizer import Tokenizer, UnknownCharacterError, get_tokenizer
+from bebop_jax.data.tokenizer import (BaseTokenizer, CharTokenizer, HFTokenizer, Tokenizer,
+                                      UnknownCharacterError, UnknownTokenError, get_tokenizer,
+                                      load_tokenizer, set_tokenizer, use_tokenizer)
 
 
 def encode(text: str, **kwargs) -> list[int]:

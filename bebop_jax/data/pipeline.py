@@ -2,7 +2,8 @@
 
 SFT batch (every array [batch_size, seq_len]):
   tokens       int32  bos, prompt, demonstration (a fresh sample of the task's solution paths
-                      at every visit), eos; 0 (pad) past the end.
+                      at every visit), eos; id 0 past the end (the char tokenizer's pad;
+                      with any tokenizer, segment_ids 0 mark it).
   segment_ids  int32  1, 2, ... per packed example; 0 on padding.
   positions    int32  position inside the example (restarts at 0 per segment).
   loss_mask    int32  1 where the token is a training target: demonstration tokens and eos;
@@ -29,14 +30,14 @@ import grain
 import numpy as np
 
 from bebop_jax.data import builders
-from bebop_jax.data.tokenizer import Tokenizer, get_tokenizer
+from bebop_jax.data.tokenizer import BaseTokenizer, get_tokenizer
 from bebop_jax.tasks import TASK_NAMES, Example, get_task
 
 _SFT_KEYS = ("tokens", "loss_mask")
 
 
 def sft_features(prompt: str, demonstration: str,
-                 tokenizer: Tokenizer | None = None) -> dict[str, np.ndarray]:
+                 tokenizer: BaseTokenizer | None = None) -> dict[str, np.ndarray]:
   """Tokens and loss mask of one demonstration (unpadded, 1-D int32)."""
   tok = tokenizer or get_tokenizer()
   prompt_ids = tok.encode(prompt, add_bos=True)
@@ -48,7 +49,7 @@ def sft_features(prompt: str, demonstration: str,
   return {"tokens": tokens, "loss_mask": mask}
 
 
-def tool_result_mask(tokens: np.ndarray, tokenizer: Tokenizer | None = None) -> np.ndarray:
+def tool_result_mask(tokens: np.ndarray, tokenizer: BaseTokenizer | None = None) -> np.ndarray:
   """Boolean mask of tool-result tokens: RESULT_START through RESULT_END inclusive.
 
   An unterminated result runs to the end of the sequence.
@@ -112,6 +113,7 @@ def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
            for name in TASK_NAMES if data_cfg["tasks"][name]["weight"] > 0}
 
   canonical_examples = int(data_cfg.get("canonical_examples", 0))
+  tok = get_tokenizer()  # the one active now, also when the iterator runs later
 
   def featurize(index, record):
     task = tasks[_as_str(record["task"])]
@@ -120,7 +122,7 @@ def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
                                            for knob in _SAMPLING_KNOBS):
       example = Example.from_json(_as_str(record["example_json"]))
       demonstration = task.demonstration(example, (seed << 40) + index)
-    return sft_features(_as_str(record["prompt"]), demonstration)
+    return sft_features(_as_str(record["prompt"]), demonstration, tok)
 
   ds = (_mixture(data_cfg, split, seed, repeat=True)
         .map_with_index(featurize)

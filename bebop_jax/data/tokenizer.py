@@ -1,55 +1,137 @@
-"""Character-level tokenizer with special tokens.
+"""Tokenizers: the interface the project codes against, a character-level one (the default)
+and a Hugging Face `tokenizer.json` one, and which of them is active.
 
-Ids: the special markers of `bebop_jax.tasks.base` first (pad = 0, bos = 1, eos = 2, ...), then
-'\\n' and the printable ASCII characters (32..126), then unused padding ids so the vocabulary
-size is a multiple of `pad_to_multiple` (128 by default, which shards evenly over tensor axes
-of 2, 4 or 8 and fills MXU/tensor-core tiles).
+Every tokenizer implements `BaseTokenizer`: the task markers of `bebop_jax.tasks.base`
+(`SPECIAL_MARKERS`: '<|pad|>', '<|bos|>', '<|eos|>', ...) are single tokens with ids the
+interface reports, `encode` is exact (`decode(encode(s)) == s` for the task texts), and
+`vocab_size` is the model-facing size: the used ids rounded up to a multiple of
+`pad_to_multiple` (128 by default, which shards evenly over tensor axes of 2, 4 or 8 and fills
+MXU/tensor-core tiles). The unused ids above the real ones decode to ''; model output is
+hostile input, so `decode` never raises for ids in [0, vocab_size).
 
-`encode` is exact: `decode(encode(s)) == s` for every string made of the character set and the
-markers; a character outside the set is an error at encode time, never dropped.
+`Tokenizer` (alias `CharTokenizer`): the special markers first (pad = 0, bos = 1, eos = 2,
+...), then '\\n' and the printable ASCII characters (32..126). A character outside the set is
+an error at encode time, never dropped.
+
+`HFTokenizer`: a Hugging Face `tokenizer.json` (the `tokenizers` package, imported on first
+use). A marker the file lacks is added on load as a special token after its vocabulary, so a
+stock Qwen3 tokenizer.json works as it is.
+
+`get_tokenizer()` is the active tokenizer, which every call site uses: the character one
+unless `set_tokenizer` / `use_tokenizer` chose another. `bebop_jax.config.validate` makes the
+config's `data.tokenizer` (`load_tokenizer(spec)`) the active one, and `bebop_jax.stages.run`
+holds it for its stages.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import functools
+import hashlib
+import json
+import os
 import re
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from bebop_jax.tasks import base
 
 CHARACTERS = "\n" + "".join(chr(c) for c in range(32, 127))
+CHAR = "char"  # the `data.tokenizer` spec of the character-level tokenizer
+HF_FILE = "tokenizer.json"
 
 
-class UnknownCharacterError(ValueError):
+class UnknownTokenError(ValueError):
+  """Raised by `token_id` for a piece that is not a token, and by `encode` for text that has
+  no tokens."""
+
+
+class UnknownCharacterError(UnknownTokenError):
   """Raised by `encode` for a character outside the tokenizer's character set."""
 
 
-class Tokenizer:
+def _padded(num_used: int, pad_to_multiple: int) -> int:
+  if pad_to_multiple < 1:
+    raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+  return -(-num_used // pad_to_multiple) * pad_to_multiple
+
+
+def _as_ids(ids: Iterable[int] | np.ndarray) -> np.ndarray:
+  return np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
+
+
+class BaseTokenizer(abc.ABC):
+  """What the project needs of a tokenizer; call sites see only this.
+
+  Attributes:
+    specials: the task markers (`base.SPECIAL_MARKERS`), each one token.
+    num_used: ids [0, num_used) are tokens; [num_used, vocab_size) are unused and decode to ''.
+    vocab_size: the model-facing size, num_used rounded up to `pad_to_multiple`.
+    fingerprint: names what the ids mean ('char', or 'hf-' and a hash of the tokenizer.json),
+      for cache keys of tokenized data: ids of one tokenizer are garbage to another.
+  """
+
+  specials: tuple[str, ...]
+  num_used: int
+  vocab_size: int
+  fingerprint: str
+
+  pad_id = property(lambda self: self.token_id(base.PAD_MARKER))
+  bos_id = property(lambda self: self.token_id(base.BOS_MARKER))
+  eos_id = property(lambda self: self.token_id(base.EOS_MARKER))
+  answer_id = property(lambda self: self.token_id(base.ANSWER_MARKER))
+  call_start_id = property(lambda self: self.token_id(base.CALL_START))
+  call_end_id = property(lambda self: self.token_id(base.CALL_END))
+  result_start_id = property(lambda self: self.token_id(base.RESULT_START))
+  result_end_id = property(lambda self: self.token_id(base.RESULT_END))
+
+  @abc.abstractmethod
+  def token_id(self, piece: str) -> int:
+    """The id of one token (a special marker, or a piece of the vocabulary)."""
+
+  @abc.abstractmethod
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Token ids of `text`; markers such as '<|call|>' become one token each."""
+
+  @abc.abstractmethod
+  def decode(self, ids: Iterable[int] | np.ndarray, *, strip_pad: bool = False) -> str:
+    """Text of `ids`. Unused padding ids decode to ''; out-of-range ids are a ValueError."""
+
+  def _check_range(self, arr: np.ndarray) -> None:
+    if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+      raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
+                       f"[{arr.min()}, {arr.max()}]")
+
+  def decode_batch(self, ids: np.ndarray, lengths: Sequence[int] | None = None) -> list[str]:
+    """Decodes each row of a [B, L] array, up to `lengths[b]` tokens when given (else with
+    the pad tokens removed)."""
+    ids = np.asarray(ids)
+    if lengths is None:
+      return [self.decode(row, strip_pad=True) for row in ids]
+    return [self.decode(row[:n]) for row, n in zip(ids, lengths)]
+
+
+class Tokenizer(BaseTokenizer):
   """Character-level tokenizer; special markers such as '<|eos|>' are single tokens."""
 
+  fingerprint = CHAR
+
   def __init__(self, pad_to_multiple: int = 128):
-    if pad_to_multiple < 1:
-      raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     self.specials = base.SPECIAL_MARKERS
     self._pieces = list(self.specials) + list(CHARACTERS)
     self._id = {piece: i for i, piece in enumerate(self._pieces)}
     self.num_used = len(self._pieces)
-    self.vocab_size = -(-self.num_used // pad_to_multiple) * pad_to_multiple
+    self.vocab_size = _padded(self.num_used, pad_to_multiple)
     # Longest markers first so that no marker is split into a shorter one.
     self._split = re.compile("(" + "|".join(
         re.escape(m) for m in sorted(self.specials, key=len, reverse=True)) + ")")
     self._decode_table = np.array(self._pieces + [""] * (self.vocab_size - self.num_used),
                                   dtype=object)
 
-  pad_id = property(lambda self: self._id[base.PAD_MARKER])
-  bos_id = property(lambda self: self._id[base.BOS_MARKER])
-  eos_id = property(lambda self: self._id[base.EOS_MARKER])
-  answer_id = property(lambda self: self._id[base.ANSWER_MARKER])
-  call_start_id = property(lambda self: self._id[base.CALL_START])
-  call_end_id = property(lambda self: self._id[base.CALL_END])
-  result_start_id = property(lambda self: self._id[base.RESULT_START])
-  result_end_id = property(lambda self: self._id[base.RESULT_END])
+  def __repr__(self) -> str:
+    return f"Tokenizer(char, vocab_size={self.vocab_size})"
 
   def token_id(self, piece: str) -> int:
     """The id of one character or special marker."""
@@ -84,28 +166,229 @@ class Tokenizer:
 
   def decode(self, ids: Iterable[int] | np.ndarray, *, strip_pad: bool = False) -> str:
     """Text of `ids`. Unused padding ids decode to ''; out-of-range ids are an error."""
-    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-      raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
-                       f"[{arr.min()}, {arr.max()}]")
+    arr = _as_ids(ids)
+    self._check_range(arr)
     if strip_pad:
       arr = arr[arr != self.pad_id]
     return "".join(self._decode_table[arr].tolist())
 
-  def decode_batch(self, ids: np.ndarray, lengths: Sequence[int] | None = None) -> list[str]:
-    """Decodes each row of a [B, L] array, up to `lengths[b]` tokens when given."""
-    ids = np.asarray(ids)
-    if lengths is None:
-      return [self.decode(row, strip_pad=True) for row in ids]
-    return [self.decode(row[:n]) for row, n in zip(ids, lengths)]
+
+CharTokenizer = Tokenizer
+
+# Texts every HFTokenizer must round-trip exactly (all characters of the task texts, the
+# markers next to text, spaces and newlines at the ends and repeated), checked on load: a
+# tokenizer that normalizes, strips or adds spaces would silently change what rewards read.
+_PROBES = (
+    CHARACTERS,
+    "".join(base.SPECIAL_MARKERS) + " " + " x ".join(base.SPECIAL_MARKERS) + " ",
+    " leading space, two  spaces,\n\n  a blank line and a trailing space ",
+    "\n<|call|>get(a, b)<|/call|>\n<|result|> 26 <|/result|><|answer|>-3<|eos|>",
+    "<|call| <|/call <|result||> |> <| <|answer|",  # partial markers are plain text
+)
+
+
+class HFTokenizer(BaseTokenizer):
+  """A Hugging Face `tokenizer.json`, with the task markers as added special tokens.
+
+  On load every marker of `base.SPECIAL_MARKERS` becomes an added special token that is
+  matched in the raw text before normalization and pre-tokenization (so it is always one
+  token, never split and never merged with its neighbours) and strips no spaces around it: a
+  marker the file lacks is appended after its ids (in `SPECIAL_MARKERS` order), one it has
+  keeps its id. The file's own special tokens stay as they are; its truncation, padding and
+  post-processor (e.g. a BOS template) are not applied: `encode` adds bos / eos only when
+  asked. The file on disk is not changed.
+
+  Decoding keeps special tokens and applies only the file's decoder, so nothing strips or
+  adds spaces for byte-level BPE tokenizers (Qwen3, GPT-2 style); a tokenizer that does not
+  round-trip the probe texts exactly (lower-casing, a decoder that cleans up spaces) is
+  rejected on load with a ValueError.
+  """
+
+  def __init__(self, path: str, pad_to_multiple: int = 128):
+    import tokenizers  # pylint: disable=g-import-not-at-top  # only when an HF file is chosen
+    self.path = resolve_tokenizer_path(path)
+    with open(self.path, "rb") as f:
+      raw = f.read()
+    try:
+      tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # pylint: disable=broad-except  # the library raises plain Exception
+      raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json the tokenizers "
+                       f"package can load: {e}") from e
+    tok.no_truncation()
+    tok.no_padding()
+    tok.encode_special_tokens = False  # markers in the text are markers
+    tok.add_special_tokens([
+        tokenizers.AddedToken(m, special=True, normalized=False, single_word=False,
+                              lstrip=False, rstrip=False) for m in base.SPECIAL_MARKERS])
+    self._tok = tok
+    self.specials = base.SPECIAL_MARKERS
+    self._marker_ids = {m: tok.token_to_id(m) for m in self.specials}
+    self.num_used = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    self.vocab_size = _padded(self.num_used, pad_to_multiple)
+    self.fingerprint = "hf-" + hashlib.sha256(raw).hexdigest()[:16]
+    self._unk_id = self._find_unk_id(raw)
+    self._check_round_trip()
+
+  def __repr__(self) -> str:
+    return (f"HFTokenizer({self.path!r}, {self.num_used} tokens, "
+            f"vocab_size={self.vocab_size})")
+
+  def _find_unk_id(self, raw: bytes) -> int | None:
+    """The model's unknown-token id (None: it has none, e.g. byte-level BPE)."""
+    model = json.loads(raw).get("model") or {}
+    if isinstance(model.get("unk_id"), int):  # Unigram
+      return model["unk_id"]
+    unk = model.get("unk_token")
+    return self._tok.token_to_id(unk) if isinstance(unk, str) else None
+
+  def _check_round_trip(self) -> None:
+    for marker, tid in self._marker_ids.items():
+      if tid is None or self.encode(marker) != [tid]:
+        raise ValueError(f"{self.path}: the marker {marker!r} does not encode to one token "
+                         f"(got {self.encode(marker)})")
+    for probe in _PROBES:
+      try:
+        got = self.decode(self.encode(probe))
+      except UnknownTokenError as e:
+        got = f"<encode failed: {e}>"
+      if got != probe:
+        raise ValueError(
+            f"{self.path} does not round-trip text exactly: decode(encode({probe!r})) gave "
+            f"{got!r}; bebop_jax needs decode(encode(s)) == s (rewards read decoded text), "
+            "which byte-level BPE tokenizers (ByteLevel pre-tokenizer and decoder, as in "
+            "Qwen3 or GPT-2) give; normalizers that change ASCII text, decoders that strip or "
+            "clean up spaces and unknown-token models do not")
+
+  def token_id(self, piece: str) -> int:
+    """The id of a special marker, or of a piece of the vocabulary in the file's own
+    spelling (a byte-level BPE writes a leading space as 'Ġ')."""
+    tid = self._marker_ids.get(piece)
+    if tid is None:
+      tid = self._tok.token_to_id(piece)
+    if tid is None:
+      raise UnknownTokenError(f"{piece!r} is not a token of the vocabulary of {self.path}")
+    return tid
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Token ids of `text`; markers such as '<|call|>' become one token each.
+
+    Raises:
+      UnknownTokenError: for text the vocabulary has no token for (only tokenizers with an
+        unknown token; byte-level BPE encodes every string), naming its position.
+    """
+    enc = self._tok.encode(text, add_special_tokens=False)
+    ids = enc.ids
+    if self._unk_id is not None and self._unk_id in ids:
+      start, end = enc.offsets[ids.index(self._unk_id)]
+      raise UnknownTokenError(
+          f"text {text[start:end]!r} at position {start} has no token in {self.path} (it "
+          "would encode to the unknown token)")
+    if add_bos:
+      ids.insert(0, self.bos_id)
+    if add_eos:
+      ids.append(self.eos_id)
+    return ids
+
+  def decode(self, ids: Iterable[int] | np.ndarray, *, strip_pad: bool = False) -> str:
+    """Text of `ids`. Unused padding ids decode to ''; out-of-range ids are an error. Any
+    sequence of valid ids decodes (bytes that are not UTF-8 become U+FFFD)."""
+    arr = _as_ids(ids).reshape(-1)
+    self._check_range(arr)
+    if strip_pad:
+      arr = arr[arr != self.pad_id]
+    arr = arr[arr < self.num_used]  # unused padding ids
+    ids = arr.tolist()
+    try:
+      return self._tok.decode(ids, skip_special_tokens=False)
+    except Exception:  # pylint: disable=broad-except  # hostile ids never raise
+      return "".join(self._decode_one(i) for i in ids)
+
+  def _decode_one(self, tid: int) -> str:
+    try:
+      return self._tok.decode([tid], skip_special_tokens=False)
+    except Exception:  # pylint: disable=broad-except
+      return ""
+
+
+def resolve_tokenizer_path(spec: str) -> str:
+  """The absolute path of the tokenizer.json that `spec` (the file, or a directory holding
+  one; '~' expanded) names.
+
+  Raises:
+    FileNotFoundError: naming the path when there is no such file.
+  """
+  path = os.path.expanduser(spec)
+  shown = repr(spec) if path == spec else f"{spec!r} (= {path!r})"
+  if os.path.isdir(path):
+    path = os.path.join(path, HF_FILE)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"the directory {shown} holds no {HF_FILE}")
+  elif not os.path.isfile(path):
+    raise FileNotFoundError(f"there is no file or directory {shown}")
+  return os.path.abspath(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(path: str, mtime_ns: int, size: int, pad_to_multiple: int) -> HFTokenizer:
+  del mtime_ns, size  # cache keys only: a changed file is loaded again
+  return HFTokenizer(path, pad_to_multiple=pad_to_multiple)
+
+
+def load_tokenizer(spec: str, *, pad_to_multiple: int = 128) -> BaseTokenizer:
+  """The tokenizer `data.tokenizer` names: 'char' (the shared character-level tokenizer
+  with the default padding), or the path of a Hugging Face tokenizer.json or of a directory
+  holding one (loaded once per file version).
+
+  Raises:
+    FileNotFoundError: for a path with no tokenizer.json, naming it.
+    ValueError: for a file that does not load or does not round-trip text exactly.
+  """
+  if not isinstance(spec, str) or not spec:
+    raise ValueError(f"a tokenizer spec is {CHAR!r} or the path of a {HF_FILE} (or of a "
+                     f"directory holding one), got {spec!r}")
+  if spec == CHAR:
+    return _char_default() if pad_to_multiple == 128 else Tokenizer(pad_to_multiple)
+  path = resolve_tokenizer_path(spec)
+  st = os.stat(path)
+  return _load_hf(path, st.st_mtime_ns, st.st_size, pad_to_multiple)
 
 
 _DEFAULT: Tokenizer | None = None
+_ACTIVE: BaseTokenizer | None = None
 
 
-def get_tokenizer() -> Tokenizer:
-  """The project's tokenizer (one shared instance)."""
+def _char_default() -> Tokenizer:
   global _DEFAULT
   if _DEFAULT is None:
     _DEFAULT = Tokenizer()
   return _DEFAULT
+
+
+def get_tokenizer() -> BaseTokenizer:
+  """The active tokenizer (one shared instance): the character-level one unless
+  `set_tokenizer` / `use_tokenizer` (called by `config.validate` and `stages.run` with the
+  config's `data.tokenizer`) chose another."""
+  return _ACTIVE if _ACTIVE is not None else _char_default()
+
+
+def set_tokenizer(tokenizer: BaseTokenizer | None) -> BaseTokenizer | None:
+  """Makes `tokenizer` the active one (None: the character-level default); returns the one
+  set before (None if it was the default), to restore with `set_tokenizer(previous)`."""
+  global _ACTIVE
+  if tokenizer is not None and not isinstance(tokenizer, BaseTokenizer):
+    raise TypeError(f"set_tokenizer takes a BaseTokenizer or None, got {type(tokenizer)}")
+  previous, _ACTIVE = _ACTIVE, tokenizer
+  return previous
+
+
+@contextlib.contextmanager
+def use_tokenizer(tokenizer: BaseTokenizer | str | None) -> Iterator[BaseTokenizer]:
+  """`tokenizer` (or the spec `load_tokenizer` takes) is the active one inside the block;
+  the previous one is restored after."""
+  if isinstance(tokenizer, str):
+    tokenizer = load_tokenizer(tokenizer)
+  previous = set_tokenizer(tokenizer)
+  try:
+    yield get_tokenizer()
+  finally:
+    set_tokenizer(previous)

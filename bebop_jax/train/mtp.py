@@ -40,6 +40,7 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import batching, diagnostics, sampling
 from bebop_jax.losses import mtp as mtp_losses
@@ -118,10 +119,13 @@ def pack_rows(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int
 
 def _data_key(config: ml_collections.ConfigDict, split: str, num: int) -> str:
   m, d = config.mtp, config.data
-  blob = json.dumps({"split": split, "num": num, "temperature": m.temperature,
-                     "max_new_tokens": m.data.max_new_tokens, "seed": config.seed,
-                     "tasks": d.tasks.to_dict(), "data_seed": d.seed,
-                     "num_train": d.num_train, "num_test": d.num_test}, sort_keys=True)
+  key = {"split": split, "num": num, "temperature": m.temperature,
+         "max_new_tokens": m.data.max_new_tokens, "seed": config.seed,
+         "tasks": d.tasks.to_dict(), "data_seed": d.seed,
+         "num_train": d.num_train, "num_test": d.num_test}
+  if d.tokenizer != tokenizer_lib.CHAR:  # the cache holds ids; char caches keep their names
+    key["tokenizer"] = tokenizer_lib.load_tokenizer(d.tokenizer).fingerprint
+  blob = json.dumps(key, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

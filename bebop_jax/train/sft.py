@@ -29,6 +29,7 @@ from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.losses import lm
+from bebop_jax.model import hf
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
@@ -122,6 +123,24 @@ def make_loss_fn(config: ml_collections.ConfigDict):
   return loss_fn
 
 
+def initial_policy(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh,
+                   rules) -> policy_lib.Policy:
+  """The policy SFT starts from: a random initialisation, or (sft.init_from_hf) a Hugging Face
+  Qwen3 checkpoint placed onto the mesh, its MTP modules by sft.hf_mtp (hf.MTP_MODES)."""
+  path = config.sft.init_from_hf
+  if not path:
+    return policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed))
+  cfg, state = hf.import_checkpoint(
+      path, mesh=mesh, rules=rules, dtype=model_cfg.param_dtype, mtp=config.sft.hf_mtp,
+      num_mtp_modules=model_cfg.num_mtp_modules, num_draft_steps=model_cfg.num_draft_steps,
+      seed=config.seed)
+  hf.check_matches(cfg, model_cfg, f"config.sft.init_from_hf={path!r}")
+  # config.model's graph: its compute dtype, attention and remat choices over these weights.
+  print(f"[sft] starting from {path} ({policy_lib.num_params(state) / 1e6:.1f}M parameters, "
+        f"MTP modules: {config.sft.hf_mtp})")
+  return nnx.merge(policy_lib.abstract_state(model_cfg)[0], state)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) SFT; returns the stage summary."""
   done = read_summary(workdir)
@@ -135,7 +154,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rules = tuple(tuple(r) for r in config.mesh.rules)
   num_steps = s.train.num_steps
 
-  model = policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed))
+  model = initial_policy(config, model_cfg, mesh, rules)
   graphdef, trainable, frozen = nnx.split(
       model, optimizer_lib.trainable_filter(s.optim.trainable), ...)
   tx, schedule = optimizer_lib.make_optimizer(s.optim, num_steps)
