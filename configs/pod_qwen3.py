@@ -10,6 +10,12 @@ validates only with a device count divisible by 4. The head is vocab-parallel (t
 over `tensor`), so the MTP stage's TV kernel runs on each device's [rows, V/4] block of the
 logits (pallas_kernels/tv_loss/sharded.py); tests/test_tv_sharded.py compiles that training
 step ahead of time on the same simulated mesh.
+
+From the released Qwen3-8B weights (the 8b preset is its shape; the import checks every
+field against config.json and places each tensor onto its sharding), with its tokenizer:
+
+  python -m bebop_jax.main --config=configs/pod_qwen3.py:8b \
+      --config.sft.init_from_hf=/ckpt/Qwen3-8B --config.data.tokenizer=/ckpt/Qwen3-8B
 """
 
 from bebop_jax import config as config_lib

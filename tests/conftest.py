@@ -29,7 +29,8 @@ from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-to
 
 # The longest files first: with two workers taking one file at a time, a long file picked
 # up last would run alone at the end.
-LONGEST_FIRST = ("test_reproduce.py", "test_main_job.py", "test_rl.py", "test_sweep_cli.py")
+LONGEST_FIRST = ("test_reproduce.py", "test_main_job.py", "test_rl.py", "test_hf_pipeline.py",
+                 "test_bench_device.py", "test_sweep_cli.py")
 
 
 def pytest_collection_modifyitems(items):
