@@ -26,6 +26,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+from bebop_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 
 # The longest files first: with two workers taking one file at a time, a long file picked
 # up last would run alone at the end.
@@ -36,6 +37,14 @@ LONGEST_FIRST = ("test_reproduce.py", "test_main_job.py", "test_rl.py", "test_hf
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _default_tokenizer_after_each_test():
+  """config.validate makes a config's data.tokenizer the active one: no test leaves another
+  tokenizer than the default active for the tests after it."""
+  yield
+  tokenizer_lib.set_tokenizer(None)
 
 
 @pytest.fixture(scope="session")

@@ -80,12 +80,6 @@ def files(tmp_path_factory):
   return out
 
 
-@pytest.fixture(autouse=True)
-def restore_active_tokenizer():
-  yield
-  tokenizer_lib.set_tokenizer(None)
-
-
 HELD_OUT = task_texts(range(10_000, 10_060))
 
 
