@@ -2,7 +2,7 @@
 nnx.State).
 
     cfg, state = hf.import_checkpoint("/ckpt/Qwen3-8B", mesh=mesh, mtp="copy_last_block")
-    hf.export_checkpoint(cfg, state, "/out/qwen3-8b-mtp")   # loads as Qwen3ForCausalLM
+    hf.export_checkpoint(cfg, state, "/out/qwen3-8b-mtp")   # a Qwen3ForCausalLM directory
 
 Import reads `config.json` (architecture `Qwen3ForCausalLM`) and the safetensors files (one
 `model.safetensors`, or shards listed in `model.safetensors.index.json`) with the
@@ -406,10 +406,10 @@ def export_checkpoint(cfg: ModelConfig, state: nnx.State, out_dir: str, *,
   """Writes cfg and state as a Hugging Face Qwen3ForCausalLM directory; returns its files.
 
   config.json and the decoder's safetensors (shards of at most `max_shard_bytes`, with
-  model.safetensors.index.json when there is more than one) load in transformers, vLLM and
-  SGLang; the MTP modules go to mtp.safetensors with mtp_config.json beside them. Tensors
-  are fetched from the devices one at a time, and each shard is written and released
-  before the next is gathered. `tokenizer_dir`: copy its tokenizer files along.
+  model.safetensors.index.json when there is more than one), in Hugging Face's names and
+  layouts, the format transformers, vLLM and SGLang read; the MTP modules go to
+  mtp.safetensors with mtp_config.json beside them. Tensors are fetched from the devices
+  one at a time, and each shard is written and released before the next is gathered. `tokenizer_dir`: copy its tokenizer files along.
   `include_mtp=False` writes the plain Qwen3 checkpoint only.
   """
   os.makedirs(out_dir, exist_ok=True)
