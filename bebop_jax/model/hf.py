@@ -8,8 +8,8 @@ Import reads `config.json` (architecture `Qwen3ForCausalLM`) and the safetensors
 `model.safetensors`, or shards listed in `model.safetensors.index.json`) with the
 `safetensors` numpy API. Each parameter is built straight onto its target sharding with
 `jax.make_array_from_callback`: a device's shard is assembled from the layers it covers,
-read one Hugging Face tensor at a time from the memory-mapped files, so no full host copy of
-the model (or of one stacked parameter) ever exists.
+reading from each Hugging Face tensor only the rows and columns of that block, so no full
+host copy of the model, of one stacked parameter or of one tensor ever exists.
 
 Hugging Face names (Linear weights are [out, in]) against ours (stacked over layers):
 
@@ -173,22 +173,8 @@ def _hf_name(layer: int, ours: str) -> str:
       "w_down": "mlp.down_proj.weight"}[ours]
 
 
-def _to_ours(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-  """One layer's (or a top-level) Hugging Face tensor in our layout (no stack axis)."""
-  e, h, kv, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  if name == "wq":
-    return w.T.reshape(e, h, d)
-  if name in ("wk", "wv"):
-    return w.T.reshape(e, kv, d)
-  if name == "wo":
-    return w.T.reshape(h, d, e)
-  if name in ("w_gate", "w_up", "w_down", "head"):
-    return w.T
-  return w
-
-
 def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
-  """The inverse of `_to_ours`."""
+  """One of our tensors (no stack axis) in Hugging Face's layout; `_read_block` reads back."""
   if name in ("wq", "wk", "wv"):
     return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
   if name == "wo":
@@ -240,12 +226,19 @@ class _Tensors:
       return cls(directory, {k: file for k in f.keys()})
 
   def get(self, name: str) -> np.ndarray:
+    return self.get_slice(name)[...]
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.get_slice(name).get_shape())
+
+  def get_slice(self, name: str):
+    """The tensor's lazy slice: indexing it reads only that block from the file."""
     if name not in self.where:
       raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
     file = self.where[name]
     if file not in self._handles:
       self._handles[file] = self._open(file).__enter__()
-    return self._handles[file].get_tensor(name)
+    return self._handles[file].get_slice(name)
 
   def close(self):
     for handle in self._handles.values():
@@ -269,19 +262,42 @@ def _build(shape, dtype, shard: NamedSharding | jax.sharding.Sharding,
       tuple(shape), shard, lambda index: np.asarray(read(index), dtype=dtype))
 
 
+def _read_block(tensors: _Tensors, hf_name: str, name: str, cfg: ModelConfig,
+                index: tuple[slice, ...], where: str) -> np.ndarray:
+  """Our block `index` of one (layer's) tensor, reading only the Hugging Face rows and
+  columns it needs: each layout (the inverse of `_to_hf`) maps a block to a block (head_dim
+  is read whole, as it is never split)."""
+  _check_shape(hf_name, tensors.shape(hf_name), _hf_shape(name, cfg), where)
+  ours = (_hf_shape(name, cfg)[::-1] if name in ("w_gate", "w_up", "w_down", "head") else
+          {"wq": (cfg.d_model, cfg.num_heads, cfg.head_dim),
+           "wk": (cfg.d_model, cfg.num_kv_heads, cfg.head_dim),
+           "wv": (cfg.d_model, cfg.num_kv_heads, cfg.head_dim),
+           "wo": (cfg.num_heads, cfg.head_dim, cfg.d_model)}.get(name, _hf_shape(name, cfg)))
+  bounds = [sl.indices(n)[:2] for sl, n in zip(index, ours)]
+  src = tensors.get_slice(hf_name)
+  d = cfg.head_dim
+  if name in ("wq", "wk", "wv"):  # ours [E, H, D] <- HF [H*D, E]
+    (e0, e1), (h0, h1), (d0, d1) = bounds
+    block = src[h0 * d:h1 * d, e0:e1]
+    return block.T.reshape(e1 - e0, h1 - h0, d)[:, :, d0:d1]
+  if name == "wo":  # ours [H, D, E] <- HF [E, H*D]
+    (h0, h1), (d0, d1), (e0, e1) = bounds
+    block = src[e0:e1, h0 * d:h1 * d]
+    return block.T.reshape(h1 - h0, d, e1 - e0)[:, d0:d1]
+  if name in ("w_gate", "w_up", "w_down", "head"):  # ours = HF transposed
+    (a0, a1), (b0, b1) = bounds
+    return src[b0:b1, a0:a1].T
+  return src[tuple(slice(lo, hi) for lo, hi in bounds)]
+
+
 def _stacked_reader(tensors: _Tensors, name: str, cfg: ModelConfig, layers: list[int],
                     shape: tuple[int, ...]):
   """read(index) for a [L, ...] parameter stacked from per-layer Hugging Face tensors."""
 
   def read(index):
     lo, hi, _ = index[0].indices(shape[0])
-    parts = []
-    for j in range(lo, hi):
-      hf_name = _hf_name(layers[j], name)
-      w = tensors.get(hf_name)
-      _check_shape(hf_name, w.shape, _hf_shape(name, cfg), "layer tensor")
-      parts.append(_to_ours(name, w, cfg)[index[1:]])
-    return np.stack(parts)
+    return np.stack([_read_block(tensors, _hf_name(layers[j], name), name, cfg, index[1:],
+                                 "layer tensor") for j in range(lo, hi)])
 
   return read
 
@@ -372,11 +388,7 @@ def import_checkpoint(hf_dir: str, *, mesh: Mesh | None = None,
     w_name = name
     base = "head" if key == ("head",) else key[0]
 
-    def read(index):
-      w = tensors.get(w_name)
-      _check_shape(w_name, w.shape, _hf_shape(base, cfg), "top-level tensor")
-      return _to_ours(base, w, cfg)[index]
-    return read
+    return lambda index: _read_block(tensors, w_name, base, cfg, index, "top-level tensor")
 
   def build(path, var, shard_var):
     shape = var.get_value().shape
