@@ -195,7 +195,7 @@ def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int) -> gr
   if not len(rows["tokens"]):
     raise ValueError("no self-distillation data; raise mtp.data.num_prompts")
   return (grain.MapDataset.source(_Rows(rows)).shuffle(seed=seed).repeat()
-          .batch(batch_size, drop_remainder=True).to_iter_dataset())
+          .batch(batch_size, drop_remainder=True).to_iter_dataset(pipeline.READ_OPTIONS))
 
 
 # ----------------------------------------------------------------------------- evaluation
