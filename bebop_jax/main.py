@@ -1,7 +1,8 @@
 r"""Entry point: runs the stages a config names.
 
   python -m bebop_jax.main --config=configs/quickstart.py[:arg] \
-      [--config.key=value ...] [--workdir=DIR] [--distributed=auto|on|off]
+      [--config.key=value ...] [--workdir=DIR] [--compilation_cache=DIR]
+      [--distributed=auto|on|off]
 
 The config file's `get_config(arg)` returns an ml_collections.ConfigDict; it is locked, so an
 override of a key that does not exist is an error, and `bebop_jax.config.validate` rejects bad
@@ -31,6 +32,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for checkpoints, metrics and reports "
     "(default: runs/<config file name>).")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", None, "JAX's persistent compilation cache: a program compiled once "
+    "(by an earlier stage that released it, a resumed stage, a rerun) is loaded, not "
+    "compiled again. Default <workdir>/compile_cache; '' turns it off.")
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed", "auto", ["auto", "on", "off"],
     "Call jax.distributed.initialize() before anything else: on every host of a multi-host "
@@ -59,6 +64,11 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value or default_workdir(
       flags.FLAGS["config"].config_filename))
   os.makedirs(workdir, exist_ok=True)
+  cache = _COMPILATION_CACHE.value
+  if cache is None:
+    cache = os.path.join(workdir, "compile_cache")
+  if cache:
+    stages.enable_compilation_cache(cache)
   console.route_logs(workdir, to_terminal=to_terminal)
   logging.info("workdir: %s", os.path.abspath(workdir))
   stages.run(config, workdir)

@@ -74,7 +74,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if done is not None:
     print(f"[eval] complete: {os.path.join(workdir, 'summary.json')} (report.md): skipping")
     return done
-  start = time.perf_counter()
+  start, compiles = time.perf_counter(), metrics_lib.compile_stats()
   sft_summary = sft.read_summary(workdir) or sft.read_summary(mtp.sft_workdir(config, workdir))
   mtp_summary = mtp.read_summary(workdir)
   if mtp_summary is None:
@@ -134,6 +134,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   timing["eval_s"] = time.perf_counter() - start
   timing["total_s"] = (time.time() - started_at if started_at else
                        sum(v for k, v in timing.items() if k.endswith("_s")))
+  timing.setdefault("compile", {})["eval"] = metrics_lib.compile_stats(since=compiles)
   summary["timing"] = timing
   plots = write_plots(workdir, summary, entropy)
   metrics_lib.write_json_atomic(os.path.join(workdir, "summary.json"), summary)
@@ -463,6 +464,12 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
             ""]
   if "rl" in s:
     lines += _rl_report(s["rl"], plots)
-  lines += ["## Time", "", "| stage | seconds (this invocation) |", "|---|---|"]
-  lines += [f"| {k[:-2]} | {v:.1f} |" for k, v in s["timing"].items()]
+  compiles = s["timing"].get("compile", {})
+  lines += ["## Time", "", "| stage | seconds (this invocation) | of them compiling | "
+            "compilation cache hits |", "|---|---|---|---|"]
+  for k, v in s["timing"].items():
+    if k.endswith("_s"):
+      c = compiles.get(k[:-2])
+      lines.append(f"| {k[:-2]} | {v:.1f} | " + (f"{c['seconds']:.1f} | {c['cache_hits']} |"
+                                                 if c else "| |"))
   return "\n".join(lines) + "\n"

@@ -14,6 +14,18 @@ from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import benchmark
+from bebop_jax.train import metrics as metrics_lib
+
+
+def enable_compilation_cache(directory: str) -> None:
+  """JAX's persistent compilation cache in `directory`: every compiled program is stored
+  there and loaded instead of compiled again, by a rerun, by a resumed stage, and by a stage
+  that compiles a program an earlier one compiled and released (benchmark.release_compiled
+  drops them between phases)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -95,15 +107,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   compiled programs after each stage (benchmark.release_compiled: a long job on CPU would
   otherwise run out of memory maps); a caller running many small stages of one model keeps
   them, and later stages reuse the traced and compiled programs of earlier ones. The
-  config's `data.tokenizer` is the active tokenizer (`get_tokenizer()`) while they run."""
+  config's `data.tokenizer` is the active tokenizer (`get_tokenizer()`) while they run.
+  <workdir>/timing.json gets each stage's seconds and, under "compile", the seconds of them
+  spent compiling and the persistent compilation cache's hits (metrics.compile_stats)."""
   from bebop_jax import report  # pylint: disable=g-import-not-at-top
-  timing = {"started_at": time.time()}
+  timing = {"started_at": time.time(), "compile": {}}
   with tokenizer_lib.use_tokenizer(config.data.tokenizer):
     for name in config_lib.STAGES:
       if name in config.stages:
-        start = time.perf_counter()
+        start, compiles = time.perf_counter(), metrics_lib.compile_stats()
         STAGE_FNS[name](config, workdir)
         if release_compiled:
           benchmark.release_compiled()  # the next stage compiles its own functions
         timing[f"{name}_s"] = time.perf_counter() - start
+        timing["compile"][name] = metrics_lib.compile_stats(since=compiles)
         report.write_timing(workdir, timing)  # the eval stage reports the earlier stages

@@ -134,6 +134,32 @@ def test_cli_runs_the_data_stage(tmp_path):
   assert "Using custom data configuration" not in out.stderr
 
 
+def test_compilation_cache_reloads_a_released_program(tmp_path):
+  """stages.enable_compilation_cache (the CLIs' --compilation_cache): a program compiled,
+  released (benchmark.release_compiled) and needed again is a cache hit, not a compile."""
+  code = (
+      "import sys\n"
+      "from bebop_jax import stages\n"
+      "from bebop_jax.decoding import benchmark\n"
+      "from bebop_jax.train import metrics\n"
+      "stages.enable_compilation_cache(sys.argv[1])\n"
+      "import jax, jax.numpy as jnp\n"
+      "metrics.compile_stats()\n"
+      "f, x = lambda x: jnp.sin(x) * 3.0 + 1.0, jnp.ones(5)\n"
+      "jax.block_until_ready(jax.jit(f)(x))\n"
+      "first = metrics.compile_stats()\n"
+      "benchmark.release_compiled()\n"
+      "jax.block_until_ready(jax.jit(f)(x))\n"
+      "print(first['cache_hits'], metrics.compile_stats(since=first)['cache_hits'])\n")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  cache = tmp_path / "cache"
+  out = subprocess.run([sys.executable, "-c", code, str(cache)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["0", "1"]
+  assert any(cache.iterdir())
+
+
 def test_mesh_that_does_not_match_the_devices_is_a_clear_error():
   import jax  # pylint: disable=g-import-not-at-top
   n = jax.device_count()

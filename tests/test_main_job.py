@@ -45,6 +45,10 @@ def test_summary_has_the_documented_keys(job):
   assert set(s["decode"]["speedup_vs_autoregressive"]) == {"1", "8"}
   assert all(v > 0 for v in s["decode"]["speedup_vs_autoregressive"].values())
   assert {"sft_s", "mtp_s", "rl_s", "eval_s", "total_s"} <= set(s["timing"])
+  compiles = s["timing"]["compile"]
+  assert set(compiles) == {"sft", "mtp", "rl", "eval"}
+  for stage, c in compiles.items():  # every stage compiles (or loads) its programs
+    assert 0 < c["seconds"] < s["timing"][f"{stage}_s"] and c["cache_hits"] >= 0, stage
   rl = s["rl"]
   assert rl["steps"] == config.rl.train.num_steps == len(rl["acceptance_by_step"])
   assert all(len(a) == k for a in rl["acceptance_by_step"])

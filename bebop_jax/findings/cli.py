@@ -42,20 +42,13 @@ def _prepare(workdir: str) -> None:
   if cache is None:
     cache = os.path.join(workdir, "compile_cache")
   if cache:
-    enable_compilation_cache(cache)
+    from bebop_jax import stages  # pylint: disable=g-import-not-at-top
+    stages.enable_compilation_cache(cache)
   to_terminal = flags.FLAGS["verbosity"].present
   if not to_terminal:
     logging.get_absl_handler().setLevel(std_logging.WARNING)
   os.makedirs(workdir, exist_ok=True)
   console.route_logs(workdir, to_terminal=to_terminal)
-
-
-def enable_compilation_cache(directory: str) -> None:
-  """Every compiled program is stored in `directory` and loaded instead of compiled again."""
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def command_line() -> str:

@@ -105,3 +105,29 @@ def read_json(path: str) -> Any | None:
     return None
   with open(path) as f:
     return json.load(f)
+
+
+_COMPILE_STATS = {"seconds": 0.0, "cache_hits": 0}
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILE_STATS["seconds"] += seconds
+
+
+def _on_event(event: str, **_) -> None:
+  if event == "/jax/compilation_cache/cache_hits":
+    _COMPILE_STATS["cache_hits"] += 1
+
+
+def compile_stats(since: Mapping[str, float] | None = None) -> dict[str, float]:
+  """Seconds JAX spent in XLA compilation (loads from the persistent compilation cache
+  included) and the cache's hits, counted from this function's first call in the process;
+  with `since` (an earlier result), the difference."""
+  if not getattr(compile_stats, "listening", False):
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(_on_event)
+    compile_stats.listening = True
+  now = dict(_COMPILE_STATS)
+  return {k: v - since[k] for k, v in now.items()} if since else now
