@@ -64,11 +64,7 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value or default_workdir(
       flags.FLAGS["config"].config_filename))
   os.makedirs(workdir, exist_ok=True)
-  cache = _COMPILATION_CACHE.value
-  if cache is None:
-    cache = os.path.join(workdir, "compile_cache")
-  if cache:
-    stages.enable_compilation_cache(cache)
+  stages.enable_compilation_cache(_COMPILATION_CACHE.value, workdir)
   console.route_logs(workdir, to_terminal=to_terminal)
   logging.info("workdir: %s", os.path.abspath(workdir))
   stages.run(config, workdir)

@@ -17,11 +17,16 @@ from bebop_jax.decoding import benchmark
 from bebop_jax.train import metrics as metrics_lib
 
 
-def enable_compilation_cache(directory: str) -> None:
-  """JAX's persistent compilation cache in `directory`: every compiled program is stored
-  there and loaded instead of compiled again, by a rerun, by a resumed stage, and by a stage
-  that compiles a program an earlier one compiled and released (benchmark.release_compiled
-  drops them between phases)."""
+def enable_compilation_cache(directory: str | None, workdir: str) -> None:
+  """JAX's persistent compilation cache in `directory` (None: <workdir>/compile_cache; '':
+  none), the CLIs' --compilation_cache: every compiled program is stored there and loaded
+  instead of compiled again, by a rerun, by a resumed stage, and by a stage that compiles a
+  program an earlier one compiled and released (benchmark.release_compiled drops them
+  between phases)."""
+  if directory is None:
+    directory = os.path.join(workdir, "compile_cache")
+  if not directory:
+    return
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

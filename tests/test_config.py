@@ -142,7 +142,7 @@ def test_compilation_cache_reloads_a_released_program(tmp_path):
       "from bebop_jax import stages\n"
       "from bebop_jax.decoding import benchmark\n"
       "from bebop_jax.train import metrics\n"
-      "stages.enable_compilation_cache(sys.argv[1])\n"
+      "stages.enable_compilation_cache(sys.argv[1], 'unused')\n"
       "import jax, jax.numpy as jnp\n"
       "metrics.compile_stats()\n"
       "f, x = lambda x: jnp.sin(x) * 3.0 + 1.0, jnp.ones(5)\n"

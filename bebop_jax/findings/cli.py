@@ -38,12 +38,8 @@ def define_flags(page: bool) -> None:
 
 def _prepare(workdir: str) -> None:
   from bebop_jax import console  # pylint: disable=g-import-not-at-top
-  cache = flags.FLAGS.compilation_cache
-  if cache is None:
-    cache = os.path.join(workdir, "compile_cache")
-  if cache:
-    from bebop_jax import stages  # pylint: disable=g-import-not-at-top
-    stages.enable_compilation_cache(cache)
+  from bebop_jax import stages  # pylint: disable=g-import-not-at-top
+  stages.enable_compilation_cache(flags.FLAGS.compilation_cache, workdir)
   to_terminal = flags.FLAGS["verbosity"].present
   if not to_terminal:
     logging.get_absl_handler().setLevel(std_logging.WARNING)
