@@ -1,7 +1,9 @@
 """Shared fixtures. Eight simulated CPU devices are set up before JAX starts, so sharded
 tests can build meshes; everything else runs on the first device as usual. The suite's time
 is mostly XLA compilation of tiny models, so LLVM optimizes the generated code at level 0
-(the same programs; the machine code is less tuned, so results may differ in rounding)."""
+and elementwise fusions use XLA's older IR emitters (--xla_cpu_use_fusion_emitters=false:
+tests/test_speculative.py with test_trainer.py from a cold cache take 54-59 s instead of
+77-93 s). The same programs; the machine code differs, so results may differ in rounding."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+                           " --xla_backend_optimization_level=0"
+                           " --xla_cpu_use_fusion_emitters=false").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX's persistent compilation cache, shared by both workers and the subprocess tests (they
 # inherit the environment): modules release their compiled programs when they end (below),
@@ -37,6 +40,15 @@ LONGEST_FIRST = ("test_reproduce.py", "test_main_job.py", "test_rl.py", "test_hf
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+
+
+@pytest.fixture(scope="session")
+def one_device_env():
+  """The environment for a subprocess that runs on one device (as on a laptop), with the
+  suite's fast-compile flags above and its compilation cache."""
+  flags = [f for f in os.environ["XLA_FLAGS"].split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return {**os.environ, "XLA_FLAGS": " ".join(flags)}
 
 
 @pytest.fixture(autouse=True)

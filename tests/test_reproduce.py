@@ -18,11 +18,11 @@ FINDING_KEYS = {"name", "title", "claim", "verdict", "reason", "markdown", "data
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def smoke(tmp_path_factory, one_device_env):
   workdir = tmp_path_factory.mktemp("reproduce")
   page = workdir / "docs" / "results.md"
-  # One device, as on a laptop; the suite's fast-compile setting (conftest) kept.
-  env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+  # One device, as on a laptop; the suite's fast-compile settings (conftest) kept.
+  env = dict(one_device_env)
   proc = subprocess.run(
       [sys.executable, "experiments/reproduce.py", "--scale=smoke", f"--workdir={workdir}",
        f"--results={page}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

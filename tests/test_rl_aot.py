@@ -53,12 +53,9 @@ def _check_split(result: dict, n_learner: int, n_rollout: int):
       1.1 * rollout["state_bytes"] / tensor + 2**20)
 
 
-def test_pod_rl_programs_compile_on_a_simulated_split_pod(tmp_path):
+def test_pod_rl_programs_compile_on_a_simulated_split_pod(tmp_path, one_device_env):
   out = tmp_path / "aot.json"
-  env = dict(os.environ)
-  # The script sets its own device count; keep conftest's other flags (optimization level).
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
+  env = dict(one_device_env)  # the script sets its own device count
   t0 = time.perf_counter()
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments", "aot_compile_rl.py"),

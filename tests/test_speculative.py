@@ -1,6 +1,7 @@
 """Speculative generation with MTP drafts on the tiny model."""
 
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +179,18 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
       online, expected, attempted)
   # The position-weighted training metric is close to the online rate, not equal.
   assert (np.abs(online - np.asarray(tf["alpha"])) < 0.2).all()
+  # The benchmark's version (rows of all batches padded to one length, scored 16 at a time)
+  # gives the same sums, here from two batches of different prompt widths.
+  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  halves = (slice(0, 20), slice(20, b))
+  batches = [(np.pad(np.asarray(tokens[h]), ((0, 0), (0, 4 * i))), np.asarray(lengths[h]))
+             for i, h in enumerate(halves)]
+  outputs = [types.SimpleNamespace(tokens=out.tokens[h], lengths=out.lengths[h],
+                                   frontier_depths=out.frontier_depths[h]) for h in halves]
+  expected_sum, visits = benchmark._teacher_forced_at_frontiers(  # pylint: disable=protected-access
+      graphdef, params_state, batches, outputs, params=params, mode=mode)
+  np.testing.assert_array_equal(visits, attempted)
+  np.testing.assert_allclose(expected_sum, np.asarray(tf["expected_accepted"]), rtol=1e-5)
   # All modes from one forward give each mode's numbers.
   both = diagnostics.teacher_forced_acceptance_by_mode(
       graphdef, params_state, seq, gen, params=params, modes=("rejection", "greedy_draft"))
