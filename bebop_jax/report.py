@@ -52,20 +52,25 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
           "slope_se": float(se), "points": int(len(x))}
 
 
-def entropy_points(graphdef, params, sequences, *, temperatures, mode: str, batch_size=64,
-                   buckets=batching.PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray]:
-  """(entropy, depth-1 acceptance) per counted position, pooled over temperatures."""
+def entropy_points(graphdef, params, sequences, *, temperatures, modes: tuple[str, ...],
+                   batch_size=64, buckets=batching.PROMPT_BUCKETS
+                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """{mode: (entropy, depth-1 acceptance)} per counted position, pooled over temperatures
+  (one forward per batch and temperature for all modes)."""
   longest = batching.bucket(max(len(t) for t, _ in sequences), buckets)
-  ents, alphas = [], []
+  ents, alphas = [], {mode: [] for mode in modes}
   for t in temperatures:
     params_s = sampling.SamplingParams(temperature=t)
     for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
       out = jax.device_get(diagnostics.acceptance_by_position(
-          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s, mode=mode))
+          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s,
+          modes=tuple(modes)))
       m = out["mask"][0]
       ents.append(out["entropy"][0][m])
-      alphas.append(out["alpha"][0][m])
-  return np.concatenate(ents), np.concatenate(alphas)
+      for mode in modes:
+        alphas[mode].append(out["alpha"][mode][0][m])
+  ent = np.concatenate(ents)
+  return {mode: (ent, np.concatenate(a)) for mode, a in alphas.items()}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -94,11 +99,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   heldout = mtp.self_distillation_data(  # cached by the MTP stage
       config, graphdef, params, data_dir, "test",
       {n: config.eval.num_examples for n in mtp._per_task(config, 1)})  # pylint: disable=protected-access
-  entropy = {mode: entropy_points(graphdef, params, heldout["sequences"],
-                                  temperatures=tuple(r.entropy_temperatures), mode=mode,
-                                  batch_size=config.eval.batch_size,
-                                  buckets=tuple(config.eval.prompt_buckets))
-             for mode in ("rejection", "greedy_draft")}
+  entropy = entropy_points(graphdef, params, heldout["sequences"],
+                           temperatures=tuple(r.entropy_temperatures),
+                           modes=("rejection", "greedy_draft"),
+                           batch_size=config.eval.batch_size,
+                           buckets=tuple(config.eval.prompt_buckets))
   fits = {mode: linear_fit(*pts) for mode, pts in entropy.items()}
 
   after = mtp_summary["after"]

@@ -196,6 +196,14 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
       graphdef, params_state, seq, gen, params=params, modes=("rejection", "greedy_draft"))
   for key in ("alpha", "alpha_unweighted", "positions"):
     np.testing.assert_allclose(np.asarray(both[mode][key]), np.asarray(tf[key]), rtol=1e-6)
+  # Per-position acceptance of both modes from one forward: its masked means per depth are
+  # each mode's unweighted teacher-forced acceptance.
+  pos = diagnostics.acceptance_by_position(graphdef, params_state, seq, gen, params=params,
+                                           modes=("rejection", "greedy_draft"))
+  m = np.asarray(pos["mask"], float)
+  for name in ("rejection", "greedy_draft"):
+    mean = (np.asarray(pos["alpha"][name]) * m).sum((1, 2)) / m.sum((1, 2))
+    np.testing.assert_allclose(mean, np.asarray(both[name]["alpha_unweighted"]), rtol=1e-5)
 
 
 def test_weights_sliced_inside_the_loop_give_the_same_generation():

@@ -78,16 +78,17 @@ def _per_position(model, sequences, generated, params, modes):
   return {mode: jnp.stack(a) for mode, a in alphas.items()}, masks, jnp.stack(entropies)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "params", "mode"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "modes"))
 def acceptance_by_position(graphdef: nnx.GraphDef, state: nnx.State, sequences: jax.Array,
                            generated: jax.Array, *, params: sampling.SamplingParams,
-                           mode: str) -> dict[str, jax.Array]:
-  """{"alpha", "mask", "entropy"}, each [K, B, T]: depth k's per-draft acceptance at start
-  position i, whether it counts, and the entropy of the target p_{i+k} it is scored against
-  (after the sampling transform). For acceptance-against-entropy plots."""
+                           modes: tuple[str, ...]) -> dict:
+  """{"alpha": {mode: [K, B, T]}, "mask": [K, B, T], "entropy": [K, B, T]}: depth k's
+  per-draft acceptance at start position i in each of `modes` (one forward for all),
+  whether it counts, and the entropy of the target p_{i+k} it is scored against (after the
+  sampling transform). For acceptance-against-entropy plots."""
   alphas, masks, ent = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
-                                     (mode,))
-  return {"alpha": alphas[mode], "mask": masks, "entropy": ent}
+                                     tuple(modes))
+  return {"alpha": alphas, "mask": masks, "entropy": ent}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "mode"))

@@ -65,18 +65,21 @@ def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
          for mode in common.MODES}
   for t in ctx.scale.temperatures:
     sp = sampling.SamplingParams(temperature=float(t))
+    ent_sum = ent_n = 0.0
+    alpha_sum = {mode: 0.0 for mode in common.MODES}
+    alpha_n = 0.0
+    for seq, gen in diagnostics.padded_batches(sequences, config.eval.batch_size, length):
+      r = jax.device_get(diagnostics.acceptance_by_position(  # one forward for all modes
+          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=sp,
+          modes=common.MODES))
+      m = np.asarray(r["mask"], float)                                      # [K, B, T]
+      ent_sum += float(np.sum(r["entropy"][0] * m[0]))
+      ent_n += float(m[0].sum())
+      for mode in common.MODES:
+        alpha_sum[mode] = alpha_sum[mode] + np.sum(r["alpha"][mode] * m, axis=(1, 2))
+      alpha_n = alpha_n + m.sum(axis=(1, 2))
     for mode in common.MODES:
-      ent_sum = ent_n = 0.0
-      alpha_sum = alpha_n = 0.0
-      for seq, gen in diagnostics.padded_batches(sequences, config.eval.batch_size, length):
-        r = jax.device_get(diagnostics.acceptance_by_position(
-            graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=sp, mode=mode))
-        m = np.asarray(r["mask"], float)                                    # [K, B, T]
-        ent_sum += float(np.sum(r["entropy"][0] * m[0]))
-        ent_n += float(m[0].sum())
-        alpha_sum = alpha_sum + np.sum(r["alpha"] * m, axis=(1, 2))
-        alpha_n = alpha_n + m.sum(axis=(1, 2))
-      per_depth = alpha_sum / np.maximum(alpha_n, 1)
+      per_depth = alpha_sum[mode] / np.maximum(alpha_n, 1)
       o = out[mode]
       o["temperature"].append(float(t))
       o["entropy"].append(ent_sum / max(ent_n, 1))
