@@ -148,14 +148,8 @@ def _teacher_forced_at_frontiers(graphdef, state, batches, outputs, *, params, m
         tokens, lengths, o.tokens, o.lengths))
     rows += list(zip(seq, gen, np.asarray(o.frontier_depths)))
   length = max(len(seq) for seq, _, _ in rows)
-  total = -(-len(rows) // TF_ROWS) * TF_ROWS
-  arrays = [np.zeros((total, length), dtype) for dtype in (np.int32, bool, np.int32)]
-  for i, row in enumerate(rows):
-    for array, value in zip(arrays, row):
-      array[i, :len(value)] = value
   expected, visits = 0.0, 0.0
-  for first in range(0, total, TF_ROWS):
-    seq, gen, depths = (a[first:first + TF_ROWS] for a in arrays)
+  for seq, gen, depths in diagnostics.padded_batches(rows, TF_ROWS, length):
     tf = diagnostics.teacher_forced_acceptance(graphdef, state, seq, gen, depths,
                                                params=params, mode=mode)
     expected = expected + np.asarray(tf["expected_accepted"])

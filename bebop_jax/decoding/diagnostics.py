@@ -28,15 +28,20 @@ from bebop_jax.model.model import shift_left
 
 
 def padded_batches(sequences, batch_size: int, length: int):
-  """Yields (tokens [batch_size, length] int32, generated [batch_size, length] bool) numpy
-  batches from (tokens, loss_mask) pairs: right-padded, the last batch padded with empty
-  rows (which count nowhere)."""
+  """Yields (tokens [batch_size, length] int32, generated [batch_size, length] bool[,
+  frontier depths [batch_size, length] int32]) numpy batches from (tokens, loss_mask[,
+  frontier_depths]) rows: right-padded, the last batch padded with empty rows (which count
+  nowhere)."""
   for first in range(0, len(sequences), batch_size):
+    rows = sequences[first:first + batch_size]
     seq = np.zeros((batch_size, length), np.int32)
     gen = np.zeros((batch_size, length), bool)
-    for i, (tokens, mask) in enumerate(sequences[first:first + batch_size]):
-      seq[i, :len(tokens)], gen[i, :len(tokens)] = tokens, np.asarray(mask) > 0
-    yield seq, gen
+    depths = np.zeros((batch_size, length), np.int32) if len(rows[0]) == 3 else None
+    for i, (tokens, mask, *rest) in enumerate(rows):
+      seq[i, :len(tokens)], gen[i, :len(mask)] = tokens, np.asarray(mask) > 0
+      if rest:
+        depths[i, :len(rest[0])] = rest[0]
+    yield (seq, gen) if depths is None else (seq, gen, depths)
 
 
 def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Array,
