@@ -143,6 +143,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.kl_coef = 0.0               # > 0: k3 KL to the frozen initial policy
   c.rl.epochs = 1                  # passes of learner updates over each batch ...
   c.rl.minibatches = 1             # ... each pass split into this many updates
+  c.rl.packing = True              # pack each update's rollouts into full-length rows
   c.rl.rollout = ml_collections.ConfigDict(dict(
       engine="speculative",        # or "autoregressive" (bebop_jax.rollout.ENGINES)
       mode="rejection",            # speculative verification (bebop_jax.rollout.VERIFICATION_MODES)
@@ -528,6 +529,8 @@ def _validate_rl(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     _fail("rl.kl_coef", c.kl_coef, "must be a number >= 0 (0 = no KL term)")
   if not isinstance(c.dynamic_sampling, bool):
     _fail("rl.dynamic_sampling", c.dynamic_sampling, "must be True or False")
+  if not isinstance(c.packing, bool):
+    _fail("rl.packing", c.packing, "must be True or False")
   r = c.rollout
   if r.engine not in rollout.ENGINES:
     _fail("rl.rollout.engine", r.engine, f"one of {rollout.ENGINES}")

@@ -7,7 +7,12 @@ For each stage (SFT with its joint MTP loss; the MTP stage's loss on a frozen tr
 each path it compiles the real train step (trainer.make_train_step: loss, gradients, AdamW,
 state donated) at the config's batch shape and times it on the same batch of the config's
 SFT data. The paths are the config as given ("new") and the config with --baseline applied
-("old": dense attention, every intermediate kept). Timed steps alternate between the paths,
+("old": dense attention, every intermediate kept). The `rl` stage times the RL learner's
+whole update call (rl/learner.py: batch building, rl.minibatches policy updates) on one RL
+step's prompts (config.rl, its first batch) with the tasks' demonstrations as completions
+(every other one with its last character cut, so groups have mixed rewards): "new" packs
+the rollouts (rl.packing), "old" gives each its own row and takes --baseline too; its model
+FLOPs count the rollouts' own tokens, so both paths get the same number. Timed steps alternate between the paths,
 so both see the same machine load. Reported per path: step time (median and min), model
 FLOP/s (train/flops.py) and their ratio to a plain matmul measured here first, the compiled
 step's temporary memory, and the first step's loss; then the old/new ratios (of the
@@ -27,14 +32,16 @@ from flax import nnx
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
-from bebop_jax import sharding
+from bebop_jax import rollout, sharding
+from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import flops as flops_lib
+from bebop_jax.rl import learner as learner_lib
 from bebop_jax.train import mtp, optimizer as optimizer_lib, sft, trainer
 
-STAGES = ("sft", "mtp")
+STAGES = ("sft", "mtp", "rl")
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py",
                                           "Experiment config.", lock_config=False)
@@ -116,6 +123,63 @@ def bench_stage(config, stage: str, paths: dict[str, ModelConfig], batch, steps:
                  "temp_bytes": compiled.memory.get("temp_size_in_bytes"),
                  "first_loss": first_loss[name], "model_flops_per_step": flops,
                  **flops_lib.utilization(flops, median)}
+  return _ratios(out)
+
+
+def rl_rollouts(config) -> rollout.Rollouts:
+  """One RL step's rollouts: config.rl's first prompt batch, completed by the tasks'
+  demonstrations (scripted, no decoding), every odd row's with its last character cut."""
+  c = config.rl
+  batch = next(iter(pipeline.rl_prompt_dataset(
+      config.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
+      max_prompt_len=c.max_prompt_len, seed=config.seed)))
+  exs = [tasks_lib.Example.from_json(x) for x in batch["example_json"]]
+  names = sorted({ex.task for ex in exs})
+  completion = lambda ex, row, seed: ex.demonstration[:len(ex.demonstration) - row % 2]
+  engine = rollout.MockEngine({n: tasks_lib.get_task(n) for n in names}, completion,
+                              rollout.RolloutSettings(max_new_tokens=c.rollout.max_new_tokens))
+  return engine.generate(exs, jax.random.key(config.seed))
+
+
+def bench_rl(config, paths: dict[str, ModelConfig], steps: int, mesh, rules
+             ) -> dict[str, object]:
+  """Times the RL learner's update call on each path (old: one row per rollout), alternating."""
+  rollouts = rl_rollouts(config)
+  seq_len = config.rl.max_prompt_len + config.rl.rollout.max_new_tokens
+  learners = {}
+  for name, cfg in paths.items():
+    rl = config.rl.copy_and_resolve_references()
+    rl.packing = name == "new"
+    graphdef, params = policy_lib.init(cfg, seed=config.seed)
+    learners[name] = learner_lib.Learner(rl, graphdef, params, mesh=mesh, rules=rules,
+                                         seq_len=seq_len)
+  lengths = rollouts.prompt_lengths + rollouts.lengths
+  flops = config.rl.epochs * sum(
+      flops_lib.train_flops_per_step(paths["new"], 1, int(n), 0) for n in lengths)
+  times = {name: [] for name in learners}
+  first, shape = {}, {}
+  with sharding.use_mesh(mesh, rules):
+    for step in range(steps + 1):
+      for name, learn in learners.items():
+        m = learn.update(rollouts, step)
+        if step == 0:  # compiles this batch's shape
+          first[name], shape[name] = m, (m["learner_rows"], m["learner_length"])
+        else:
+          times[name].append(m["learner_s"])
+  out = {}
+  for name, learn in learners.items():
+    compiled = learn._step("policy", shape[name][1], shape[name][0])[0]  # pylint: disable=protected-access
+    median = float(np.median(times[name]))
+    out[name] = {"step_s_median": median, "step_s_min": float(np.min(times[name])),
+                 "compile_s": learn.compile_seconds,
+                 "temp_bytes": compiled.memory.get("temp_size_in_bytes"),
+                 "first_loss": first[name]["loss"], "update_shape": list(shape[name]),
+                 "fill": first[name]["learner_fill"], "model_flops_per_step": flops,
+                 **flops_lib.utilization(flops, median)}
+  return _ratios(out)
+
+
+def _ratios(out: dict[str, dict]) -> dict[str, dict]:
   old, new = out["old"], out["new"]
   out["speedup"] = old["step_s_median"] / new["step_s_median"]
   out["speedup_of_min"] = old["step_s_min"] / new["step_s_min"]
@@ -155,10 +219,13 @@ def main(argv):
   batch = next(iter(pipeline.sft_dataset(d, batch_size=d.batch_size, seq_len=d.seq_len,
                                          packing=d.packing, seed=config.seed)))
   results = {}
+  paths = {"old": old_cfg, "new": new_cfg}
   for stage in _STAGES.value:
+    if stage == "rl":
+      results[stage] = bench_rl(config, paths, _STEPS.value, mesh, rules)
+      continue
     b = batch if stage == "sft" else {k: v[:config.mtp.batch_size] for k, v in batch.items()}
-    results[stage] = bench_stage(config, stage, {"old": old_cfg, "new": new_cfg}, b,
-                                 _STEPS.value, mesh, rules)
+    results[stage] = bench_stage(config, stage, paths, b, _STEPS.value, mesh, rules)
   report = {"config": {"model_new": new_cfg.__dict__, "model_old": old_cfg.__dict__,
                        "batch_shape": list(batch["tokens"].shape), "steps": _STEPS.value},
             "matmul_flops_per_s": calibration, "devices": str(jax.devices()),

@@ -15,7 +15,7 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.decoding import speculative
+from bebop_jax.decoding import batching, speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax import bench_rl as bench
@@ -139,6 +139,63 @@ def test_periodic_strategy_updates_the_drafter_every_n_steps(strategy_runs):
   assert _equal(periodic[1][1], periodic[0][1])      # step 0: buffered only
   assert not _equal(periodic[2][1], periodic[1][1])  # step 1: every=2, an update
   assert _equal(periodic[2][0], frozen[2][0])
+
+
+def test_first_fit_decreasing_covers_every_item_once_within_capacity():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    lengths = rng.integers(1, 40, size=int(rng.integers(1, 30)))
+    bins = batching.first_fit_decreasing(lengths, 40)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 40 for b in bins)
+    # First fit: no two bins could have been one.
+    loads = sorted(sum(lengths[i] for i in b) for b in bins)
+    assert len(loads) < 2 or loads[0] + loads[1] > 40
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_packed_update_batches_give_the_row_per_rollout_loss_and_gradients(aggregation):
+  """Each minibatch packed into shared rows (segments, restarted positions, per-token
+  advantages and aggregation weights) against one row per rollout: the same tokens, the same
+  policy loss and metrics, and the same gradient of every parameter (float tolerance)."""
+  graphdef, params = policy_lib.init(CONFIG, seed=2)
+  rollouts = _mock_rollouts(32)
+  lengths = rollouts.prompt_lengths + rollouts.lengths
+  adv = np.asarray(learner.algorithms.advantages(rollouts.rewards, 8))
+  seq_len = 64
+  full = learner.learner_batch(rollouts, adv, seq_len)
+  batches = {}
+  for packing in (False, True):
+    rl = _rl_config(aggregation=aggregation, minibatches=2, packing=packing)
+    batches[packing] = learner.update_batches(rl, full, lengths, seq_len=seq_len,
+                                              rows_buckets=learner.row_buckets(16))
+  rows, length = batches[True][0]["tokens"].shape
+  assert length == seq_len and rows < 16 and batches[False][0]["tokens"].shape == (16, seq_len)
+  sampling_params = learner.sampling.SamplingParams(1.0, 0, 1.0)
+  loss_fn = learner.make_policy_loss_fn(sampling_params, clip_low=0.2, clip_high=0.2,
+                                        aggregation=aggregation)
+  model = learner.nnx.merge(graphdef, params)
+  _, trunk, rest = learner.nnx.split(model, learner.optimizer_lib.trainable_filter("main"), ...)
+
+  def loss_and_grad(batch):
+    def f(t):
+      return loss_fn(learner.nnx.merge(graphdef, t, rest), batch)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(trunk)
+
+  for unpacked, packed in zip(batches[False], batches[True]):
+    m = packed["mask"] > 0
+    assert m.sum() == (unpacked["mask"] > 0).sum() > 0
+    np.testing.assert_allclose(np.sort(packed["token_weights"][m]),
+                               np.sort(unpacked["token_weights"][unpacked["mask"] > 0]))
+    assert packed["segment_ids"].max() > 1  # rows do share rollouts
+    (loss_u, metrics_u), grad_u = loss_and_grad(unpacked)
+    (loss_p, metrics_p), grad_p = loss_and_grad(packed)
+    assert abs(float(loss_u)) > 1e-3
+    np.testing.assert_allclose(loss_p, loss_u, rtol=1e-5)
+    for k in ("ratio_mean", "logprob_diff_mean", "logprob_diff_max", "kl_behaviour"):
+      np.testing.assert_allclose(metrics_p[k], metrics_u[k], rtol=1e-5, err_msg=k)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grad_u), jax.tree.leaves(grad_p)):
+      np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=str(path))
 
 
 # ----------------------------------------------------------------------------- the stage

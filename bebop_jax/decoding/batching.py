@@ -1,4 +1,5 @@
-"""Shapes and stops of decoding batches: length buckets, right-padded rows, per-row stop sets.
+"""Shapes and stops of decoding batches: length buckets, right-padded rows, packing into
+shared rows, per-row stop sets.
 
 Every decoding function compiles once per shape, so contexts are right-padded to the
 smallest of a few length buckets and batches are padded to a fixed number of rows. Stop
@@ -28,6 +29,24 @@ def bucket(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
       return b
   raise ValueError(f"a length of {length} tokens is longer than the largest bucket "
                    f"{buckets[-1]} (buckets {tuple(buckets)})")
+
+
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+  """Bins of item indices, longest items first, each into the first bin with room: every
+  bin's lengths sum to at most `capacity` (each length must be at most `capacity`)."""
+  bins: list[list[int]] = []
+  free: list[int] = []
+  for i in np.argsort(-np.asarray(lengths), kind="stable"):
+    n = int(lengths[i])
+    for b, room in enumerate(free):
+      if n <= room:
+        bins[b].append(int(i))
+        free[b] -= n
+        break
+    else:
+      bins.append([int(i)])
+      free.append(capacity - n)
+  return bins
 
 
 def pad_rows(rows: Sequence[Sequence[int]], batch_size: int, buckets: Sequence[int]

@@ -2,7 +2,9 @@
 
 Rollouts of one prompt sit in consecutive rows (groups of `group_size`). Shapes: rewards and
 advantages [B]; per-token arrays [B, T]; `mask` [B, T] (bool or 0/1) marks the tokens the
-policy sampled (prompt, environment replies and padding are 0).
+policy sampled (prompt, environment replies and padding are 0). The policy loss also takes
+per-token advantages [B, T], for rows that pack several rollouts (rl/learner.py); the
+per-row aggregations then need the learner's token_weights, computed before packing.
 
 Advantages (`ADVANTAGE_MODES`):
   grpo     (r - mean_g) / (std_g + 1e-6), population std over the group
@@ -106,7 +108,7 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
   Args:
     logprobs: [B, T] log-probs of the sampled tokens under the parameters being trained.
     behaviour_logprobs: [B, T] the same under the policy that sampled them.
-    advantages: [B] per-row advantages.
+    advantages: [B] per-row advantages, or [B, T] per token (packed rows).
     mask: [B, T] bool or 0/1, the tokens that count.
     token_weights: optional [B, T] aggregation weights replacing `aggregation` (the learner
       computes them over a whole batch, so gradient accumulation over microbatches sums to
@@ -132,7 +134,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
   sg = jax.lax.stop_gradient
   behaviour = jnp.asarray(behaviour_logprobs, jnp.float32)
   anchor = behaviour if proximal_logprobs is None else sg(proximal_logprobs)
-  adv = jnp.asarray(advantages, jnp.float32)[:, None]
+  adv = jnp.asarray(advantages, jnp.float32)
+  adv = adv[:, None] if adv.ndim == 1 else adv
   ratio = jnp.exp(logprobs - anchor)
   unclipped = ratio * adv
   clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv

@@ -75,22 +75,6 @@ def abstract_policy(config: Any) -> tuple[nnx.GraphDef, nnx.State]:
   return policy_lib.abstract_state(model_config.ModelConfig.from_dict(config.model.to_dict()))
 
 
-def learner_example_batch(rl: Any, rows: int, length: int) -> dict[str, np.ndarray]:
-  """The policy update's example batch, as `Learner._step` builds it for `rows` rows of
-  `length` positions: with ref_logprobs under a KL term and proximal_logprobs under the
-  decoupled objective of rl.asynchronous."""
-  empty = learner_lib._empty_rollouts(rows, length)  # pylint: disable=protected-access
-  batch = learner_lib.with_token_weights(
-      learner_lib.learner_batch(empty, np.zeros(rows), length), rl.aggregation,
-      rl.train.grad_accum_steps)
-  if rl.kl_coef > 0:
-    batch["ref_logprobs"] = np.zeros((rows, length), np.float32)
-  asynchronous = rl.asynchronous
-  if asynchronous.enabled and asynchronous.off_policy == "decoupled":
-    batch["proximal_logprobs"] = np.zeros((rows, length), np.float32)
-  return batch
-
-
 def compile_learner(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
                     placement: placement_lib.Placement, *, length: int
                     ) -> tuple[trainer.CompiledStep, dict[str, Any]]:
@@ -110,7 +94,9 @@ def compile_learner(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
       clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation=rl.aggregation,
       kl_coef=rl.kl_coef, is_cap=float(asynchronous.is_cap), is_mode=asynchronous.is_mode)
   step_fn = trainer.make_train_step(graphdef, loss_fn, tx, schedule, rl.train.grad_accum_steps)
-  batch = learner_example_batch(rl, rows, length)
+  batch = learner_lib.example_batch(
+      rl, rows, length,
+      proximal=asynchronous.enabled and asynchronous.off_policy == "decoupled")
   state = trainer.TrainState(trunk, mtp, opt_state, 0)
   mesh, rules = placement.learner_mesh, placement.learner_rules
   compiled = trainer.compile_train_step(step_fn, state, batch, mesh, rules, tx)

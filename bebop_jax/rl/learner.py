@@ -1,20 +1,31 @@
-"""The RL learner: rollouts into fixed-shape learner batches, log-probs of sampled tokens,
-and the policy-loss function the shared jitted train step (train/trainer.py) optimises.
+"""The RL learner: rollouts into learner batches, log-probs of sampled tokens, and the
+policy-loss function the shared jitted train step (train/trainer.py) optimises.
 
-Learner batch (every array batch-major, [B, L] with L = max_prompt_len + max_new_tokens, so
-every step has one shape and the step compiles once):
-  tokens              int32  bos + prompt + completion (policy turns and replies), 0 after
-  segment_ids         int32  1 on the sequence, 0 on padding
+A step's rollouts first become a row-per-rollout batch (`learner_batch`, [B, L] with L the
+smallest length bucket that holds the longest rollout, advantages [B]). Each policy update
+then gets its minibatch as an update batch (`update_batches`): with `rl.packing` the
+minibatch's rollouts are packed first-fit-decreasing into rows of the learner's longest
+length (max_prompt_len + max_new_tokens), every rollout its own segment (completions are
+mostly far shorter than their budget, so a row-per-rollout batch is mostly padding);
+without it, each rollout keeps its own row. The row count is bucketed to multiples of
+ROW_STEP, so a run compiles a handful of shapes and nothing in steady state. Update batch
+([R, L'] each):
+  tokens              int32  bos + prompt + completion (policy turns and replies) per
+                             segment, 0 on padding
+  segment_ids         int32  1, 2, ... per rollout in the row; 0 on padding
+  positions           int32  position inside the rollout (restarts at 0 per segment)
   mask                int32  1 where the policy sampled the token (the loss mask; 0 on the
                              prompt, environment replies, padding and dropped rows)
   behaviour_logprobs  f32    the sampler's log-probs of those tokens (0 elsewhere)
-  advantages          f32    [B]
-  token_weights       f32    aggregation weights (rl.aggregation_weights over the update's
-                             rows, times the accumulation steps)
+  advantages          f32    the rollout's advantage on each of its positions
+  token_weights       f32    aggregation weights (rl.aggregation_weights over the
+                             minibatch's rollouts, before packing, times the accumulation
+                             steps)
   ref_logprobs        f32    reference policy log-probs, only with a KL term
   proximal_logprobs   f32    the learner's log-probs before the step's updates, only for a
                              stale batch under the decoupled objective (rl.asynchronous)
-Position t holds token t; its log-prob comes from the logits at t - 1.
+Position t holds token t; its log-prob comes from the logits at t - 1 (the first position
+of a segment is its bos, never in the loss).
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop_jax.decoding import sampling
+from bebop_jax import sharding
+from bebop_jax.decoding import batching, sampling
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.rl import algorithms
 from bebop_jax.rollout import Rollouts
@@ -69,11 +81,79 @@ def with_token_weights(batch: Mapping[str, np.ndarray], aggregation: str,
   return dict(batch, token_weights=(w * grad_accum_steps).astype(np.float32))
 
 
+ROW_STEP = 4  # update batches have a multiple of this many rows (and of the data-parallel size)
+
+
+def pack_rows(part: Mapping[str, np.ndarray], lengths: np.ndarray, bins: list[list[int]],
+              rows: int, length: int) -> dict[str, np.ndarray]:
+  """The update batch (module docstring) of `part`, a row-per-rollout batch with per-row
+  advantages and token_weights: row r holds the rollouts `bins[r]` back to back, rollout i
+  its first lengths[i] positions; rows past len(bins) are padding."""
+  if len(bins) > rows:
+    raise ValueError(f"{len(bins)} packed rows do not fit an update batch of {rows} rows")
+  per_token = [k for k, v in part.items() if np.ndim(v) == 2 and k != "segment_ids"]
+  out = {k: np.zeros((rows, length), part[k].dtype) for k in per_token}
+  for k in ("segment_ids", "positions"):
+    out[k] = np.zeros((rows, length), np.int32)
+  out["advantages"] = np.zeros((rows, length), np.float32)
+  for r, members in enumerate(bins):
+    offset = 0
+    for segment, i in enumerate(members, 1):
+      n = int(lengths[i])
+      if offset + n > length:
+        raise ValueError(f"the rollouts {members} ({offset + n}+ tokens) overflow a row of "
+                         f"{length} positions")
+      span = slice(offset, offset + n)
+      for k in per_token:
+        out[k][r, span] = part[k][i, :n]
+      out["advantages"][r, span] = part["advantages"][i]
+      out["segment_ids"][r, span] = segment
+      out["positions"][r, span] = np.arange(n)
+      offset += n
+  return out
+
+
+def update_batches(rl: Any, full: Mapping[str, np.ndarray], lengths: np.ndarray, *,
+                   seq_len: int, rows_buckets: tuple[int, ...]) -> list[dict[str, np.ndarray]]:
+  """The update batches (module docstring) of a row-per-rollout batch `full` (per-row
+  advantages; ref/proximal log-probs where used) whose rollouts have `lengths` tokens: one
+  per minibatch of rl.minibatches, all of one shape. With rl.packing, rows of `seq_len`
+  positions, as many as the smallest of `rows_buckets` that holds every minibatch."""
+  size = full["tokens"].shape[0] // rl.minibatches
+  parts = [with_token_weights({k: v[mb * size:(mb + 1) * size] for k, v in full.items()},
+                              rl.aggregation, rl.train.grad_accum_steps)
+           for mb in range(rl.minibatches)]
+  sizes = [lengths[mb * size:(mb + 1) * size] for mb in range(rl.minibatches)]
+  if rl.packing:
+    length = seq_len
+    bins = [batching.first_fit_decreasing(n, length) for n in sizes]
+    rows = next(r for r in rows_buckets if r >= max(map(len, bins)))
+  else:
+    length, rows = full["tokens"].shape[1], size
+    bins = [[[i] for i in range(size)]] * len(parts)
+  return [pack_rows(p, n, b, rows, length) for p, n, b in zip(parts, sizes, bins)]
+
+
+def example_batch(rl: Any, rows: int, length: int, *, proximal: bool = False
+                  ) -> dict[str, np.ndarray]:
+  """An all-zero update batch of `rows` x `length` (for compiling): with ref_logprobs under
+  a KL term and, with `proximal`, proximal_logprobs (the decoupled objective's stale
+  batches)."""
+  ints = ("tokens", "segment_ids", "positions", "mask")
+  floats = ("behaviour_logprobs", "advantages", "token_weights")
+  floats += ("ref_logprobs",) if rl.kl_coef > 0 else ()
+  floats += ("proximal_logprobs",) if proximal else ()
+  return {**{k: np.zeros((rows, length), np.int32) for k in ints},
+          **{k: np.zeros((rows, length), np.float32) for k in floats}}
+
+
 def token_logprobs(model, tokens: jax.Array, segment_ids: jax.Array,
-                   params: sampling.SamplingParams) -> jax.Array:
-  """[B, T] log-prob of tokens[:, t] given tokens[:, :t] under the sampling distribution
-  (temperature, top-k, top-p as in decoding); 0 at t = 0. Trunk only (no MTP chain)."""
-  out = model(tokens, segment_ids=segment_ids, num_draft_steps=0)
+                   params: sampling.SamplingParams, positions: jax.Array | None = None
+                   ) -> jax.Array:
+  """[B, T] log-prob of tokens[:, t] given the tokens before it in its segment under the
+  sampling distribution (temperature, top-k, top-p as in decoding); 0 at t = 0. Trunk only
+  (no MTP chain). `positions` restart per segment in packed rows (default arange)."""
+  out = model(tokens, positions, segment_ids, num_draft_steps=0)
   logp = sampling.sampling_logprobs(out["logits"][:, :-1], params)
   lp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(lp, ((0, 0), (1, 0)))
@@ -96,7 +176,8 @@ def make_policy_loss_fn(params: sampling.SamplingParams, *, clip_low: float, cli
   `proximal_logprobs` in the batch, the decoupled objective (is_cap, is_mode)."""
 
   def loss_fn(model, batch) -> tuple[jax.Array, dict[str, Any]]:
-    lp = token_logprobs(model, batch["tokens"], batch["segment_ids"], params)
+    lp = token_logprobs(model, batch["tokens"], batch["segment_ids"], params,
+                        batch["positions"])
     loss, metrics = algorithms.policy_loss(
         lp, batch["behaviour_logprobs"], batch["advantages"], batch["mask"],
         clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
@@ -151,14 +232,22 @@ def length_buckets(seq_len: int) -> tuple[int, ...]:
   return tuple(range(LENGTH_STEP, seq_len, LENGTH_STEP)) + (seq_len,)
 
 
+def row_buckets(rows: int, data_parallel: int = 1) -> tuple[int, ...]:
+  """The update batch row counts for minibatches of `rows` rollouts: multiples of ROW_STEP
+  (rounded up to a multiple of `data_parallel`) below `rows`, and `rows`."""
+  step = data_parallel * -(-ROW_STEP // data_parallel)
+  return tuple(range(step, rows, step)) + (rows,)
+
+
 class Learner:
   """The RL learner over two parameter groups: the trunk (policy updates with the clipped
   loss, `rl.optim`) and the MTP modules (`rl.mtp.strategy`: frozen, or MTP-only updates with
   `rl.mtp.loss`, `rl.mtp.optim`). Both updates are the shared train step on the mesh,
-  parameters and optimizer states donated, compiled ahead of time once per length bucket:
-  a batch is cut to the smallest of `length_buckets(seq_len)` that holds its longest
-  rollout (completions are mostly far shorter than their budget), so a run compiles at most
-  a handful of shapes and nothing in steady state.
+  parameters and optimizer states donated, compiled once per update batch shape (module
+  docstring: packed rows of `seq_len` positions in `row_buckets` counts with rl.packing,
+  else a row per rollout cut to the smallest of `length_buckets(seq_len)` that holds the
+  longest), the largest ahead of time; a run compiles a handful of shapes and nothing in
+  steady state.
 
   `rl` is the validated `config.rl` section; `params` the policy's parameters (trunk and MTP
   modules); `seq_len` the longest rollout (max prompt + completion budget).
@@ -174,6 +263,10 @@ class Learner:
                        f"{MTP_STRATEGIES}")
     self.rows = rl.prompts_per_batch * rl.group_size
     self.update_rows = self.rows // rl.minibatches
+    batch_axes = sharding.logical_to_spec(("batch",), rules, mesh)[0] or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    self.row_buckets = row_buckets(self.update_rows,
+                                   int(np.prod([mesh.shape[a] for a in batch_axes])))
     self.sampling = sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k,
                                             rl.rollout.top_p)
     model = nnx.merge(graphdef, params)
@@ -222,25 +315,21 @@ class Learner:
       if self.strategy == "periodic":
         self.buffer = {k: np.zeros((rl.mtp.every, self.rows, seq_len), np.int32)
                        for k in _MTP_KEYS}
-    self._step("policy", seq_len)  # the longest shape ahead of time; shorter ones on first use
+    # The largest shapes ahead of time; smaller ones on first use.
+    self._step("policy", seq_len, self.update_rows)
     if self.decoupled:
-      self._step("policy_proximal", seq_len)
+      self._step("policy_proximal", seq_len, self.update_rows)
     if self.strategy != "frozen":
       self._step("mtp", seq_len)
 
-  def _step(self, kind: str, length: int) -> tuple[trainer.CompiledStep, dict[str, Any]]:
-    """(the compiled policy or MTP update for batches of `length` positions, the batch
-    shardings)."""
-    key = (kind, length)
+  def _step(self, kind: str, length: int, rows: int | None = None
+            ) -> tuple[trainer.CompiledStep, dict[str, Any]]:
+    """(the compiled policy update for update batches of `rows` x `length`, or the MTP
+    update for batches of `length` positions; the batch shardings)."""
+    key = (kind, length, rows)
     if key not in self._compiled:
       if kind.startswith("policy"):
-        example = with_token_weights(learner_batch(
-            _empty_rollouts(self.update_rows, length), np.zeros(self.update_rows), length),
-            self.rl.aggregation, self.rl.train.grad_accum_steps)
-        if self.ref_trunk is not None:
-          example["ref_logprobs"] = np.zeros((self.update_rows, length), np.float32)
-        if kind == "policy_proximal":
-          example["proximal_logprobs"] = np.zeros((self.update_rows, length), np.float32)
+        example = example_batch(self.rl, rows, length, proximal=kind == "policy_proximal")
         state = trainer.TrainState(self.trunk, self.mtp, self.trunk_opt, self.updates)
         fn, tx = self._policy_fn, self.tx
       else:
@@ -314,8 +403,8 @@ class Learner:
     adv = np.asarray(algorithms.advantages(rollouts.rewards, rl.group_size, rl.advantage))
     keep = (np.asarray(algorithms.dynamic_sampling_mask(rollouts.rewards, rl.group_size))
             if rl.dynamic_sampling else None)
-    length = self.bucket(rollouts.prompt_lengths + rollouts.lengths)
-    full = learner_batch(rollouts, adv, length, keep)
+    lengths = rollouts.prompt_lengths + rollouts.lengths
+    full = learner_batch(rollouts, adv, self.bucket(lengths), keep)
     if self.ref_fn is not None:
       full["ref_logprobs"] = np.asarray(self.ref_fn(self.ref_trunk, self.mtp, full["tokens"],
                                                     full["segment_ids"]))
@@ -326,14 +415,14 @@ class Learner:
       full["proximal_logprobs"] = np.asarray(self.logprobs_fn(
           self.trunk, self.mtp, full["tokens"], full["segment_ids"]))
       weight_stats = behaviour_weight_stats(full, self.is_cap)
-    compiled, batch_sh = self._step(kind, length)
-    size = self.update_rows
+    parts = update_batches(rl, full, lengths, seq_len=self.seq_len,
+                           rows_buckets=self.row_buckets)
+    rows, length = parts[0]["tokens"].shape
+    compiled, batch_sh = self._step(kind, length, rows)
+    parts = [{k: jax.device_put(v, batch_sh[k]) for k, v in p.items()} for p in parts]
     results = []
     for _ in range(rl.epochs):
-      for mb in range(rl.minibatches):
-        part = with_token_weights({k: v[mb * size:(mb + 1) * size] for k, v in full.items()},
-                                  rl.aggregation, rl.train.grad_accum_steps)
-        part = {k: jax.device_put(v, batch_sh[k]) for k, v in part.items()}
+      for part in parts:
         self.trunk, self.trunk_opt, self.updates, m = compiled.fn(
             self.trunk, self.mtp, self.trunk_opt, self.updates, part)
         results.append(m)
@@ -346,12 +435,15 @@ class Learner:
     metrics.update(weight_stats)
     metrics["dropped_frac"] = float(1 - keep.mean()) if keep is not None else 0.0
     metrics["learner_length"] = length
+    metrics["learner_rows"] = rows
+    # The fraction of the update batches' positions that hold a token.
+    metrics["learner_fill"] = float(lengths.sum() / (len(parts) * rows * length))
     metrics["learner_compiles"] = self.num_compiled
     metrics["learner_s"] = time.perf_counter() - start
     # Model FLOP/s of the policy updates over the whole learner time (host work included);
     # timing keys end in _s (the stage summary gives their ratio, the utilization).
     u = flops_lib.utilization(
-        len(results) * flops_lib.train_flops_per_step(self.model_config, size, length, 0),
+        len(results) * flops_lib.train_flops_per_step(self.model_config, rows, length, 0),
         metrics["learner_s"])
     metrics["learner_model_flops_per_s"] = u["model_flops_per_s"]
     metrics["learner_matmul_flops_per_s"] = u["matmul_flops_per_s"]
@@ -383,13 +475,3 @@ class Learner:
           self.mtp, self.trunk, self.mtp_opt, self.mtp_updates, b)
     return {f"mtp/{k}": float(v) for k, v in jax.device_get(m).items()}
 
-
-def _empty_rollouts(b: int, seq_len: int) -> Rollouts:
-  """Rollouts of a learner batch's shape, for compiling."""
-  z = lambda *shape, dt=np.int32: np.zeros(shape, dt)
-  return Rollouts(
-      task_ids=z(b), prompt_tokens=z(b, 1), prompt_lengths=np.ones(b, np.int32),
-      tokens=z(b, seq_len - 1), lengths=z(b), policy_mask=z(b, seq_len - 1, dt=bool),
-      logprobs=z(b, seq_len - 1, dt=np.float32), entropy=z(b, seq_len - 1, dt=np.float32),
-      rewards=z(b, dt=np.float32), turns=z(b), done=z(b, dt=bool), attempted=z(b, 0),
-      accepted=z(b, 0), target_forwards=z(b))
