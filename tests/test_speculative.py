@@ -196,6 +196,20 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
       graphdef, params_state, seq, gen, params=params, modes=("rejection", "greedy_draft"))
   for key in ("alpha", "alpha_unweighted", "positions"):
     np.testing.assert_allclose(np.asarray(both[mode][key]), np.asarray(tf[key]), rtol=1e-6)
+  # Packed into shared rows (the MTP and RL stages' diagnostic): the same numbers from one
+  # packed forward, and the same plain mean from several.
+  from bebop_jax.train import mtp as mtp_stage  # pylint: disable=g-import-not-at-top
+  ends = np.asarray(lengths + out.lengths)
+  rows = [(np.asarray(seq[i, :ends[i]]), np.asarray(gen[i, :ends[i]])) for i in range(b)]
+  from bebop_jax.decoding import batching  # pylint: disable=g-import-not-at-top
+  assert len(batching.first_fit_decreasing(ends, 256)) <= b // 3  # rows do share sequences
+  for batch_size, keys in ((b, ("alpha", "alpha_unweighted")), (2, ("alpha_unweighted",))):
+    packed = mtp_stage.teacher_forced_acceptance(
+        graphdef, params_state, rows, temperature=1.0, modes=(mode,), batch_size=batch_size,
+        pack_length=256)
+    for key in keys:
+      np.testing.assert_allclose(packed[mode][key], np.asarray(both[mode][key]), rtol=1e-5,
+                                 err_msg=f"{key}, {batch_size} rows per forward")
   # Per-position acceptance of both modes from one forward: its masked means per depth are
   # each mode's unweighted teacher-forced acceptance.
   pos = diagnostics.acceptance_by_position(graphdef, params_state, seq, gen, params=params,

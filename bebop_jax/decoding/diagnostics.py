@@ -44,6 +44,33 @@ def padded_batches(sequences, batch_size: int, length: int):
     yield (seq, gen) if depths is None else (seq, gen, depths)
 
 
+def packed_batches(sequences, bins: list[list[int]], batch_size: int, length: int,
+                   row_step: int = 8):
+  """Yields (tokens, generated, segment_ids, positions), [R, length] numpy arrays each, from
+  (tokens, loss_mask) rows packed into shared rows: row r of the packing holds the rows
+  `bins[r]` back to back (batching.first_fit_decreasing), each its own segment with
+  positions from 0; `batch_size` packed rows per batch, the last one cut to the smallest
+  multiple of `row_step` (or batch_size) that holds its rows."""
+  for first in range(0, len(bins), batch_size):
+    chunk = bins[first:first + batch_size]
+    rows = min(batch_size, -(-len(chunk) // row_step) * row_step)
+    seq = np.zeros((rows, length), np.int32)
+    gen = np.zeros((rows, length), bool)
+    seg = np.zeros((rows, length), np.int32)
+    pos = np.zeros((rows, length), np.int32)
+    for r, members in enumerate(chunk):
+      offset = 0
+      for segment, i in enumerate(members, 1):
+        tokens, mask = sequences[i][0], np.asarray(sequences[i][1]) > 0
+        n = len(tokens)
+        seq[r, offset:offset + n] = tokens
+        gen[r, offset:offset + len(mask)] = mask
+        seg[r, offset:offset + n] = segment
+        pos[r, offset:offset + n] = np.arange(n)
+        offset += n
+    yield seq, gen, seg, pos
+
+
 def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                               tokens: jax.Array, lengths: jax.Array
                               ) -> tuple[jax.Array, jax.Array]:
@@ -59,13 +86,15 @@ def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Arra
   return seq, generated
 
 
-def _per_position(model, sequences, generated, params, modes):
+def _per_position(model, sequences, generated, params, modes, segment_ids=None,
+                  positions=None):
   """({mode: alphas [K, B, T]} (per-draft acceptance of depth k's draft at start i), masks
-  [K, B, T] (i is a frontier candidate and x_{i+k+1} is generated), target entropy
-  [K, B, T] of the transformed p_{i+k} (nats)), from one forward for all `modes`."""
-  valid_tokens = (sequences > 0) | generated
-  segment_ids = valid_tokens.astype(jnp.int32)
-  out = model(sequences, segment_ids=segment_ids)
+  [K, B, T] (i is a frontier candidate and x_{i+k+1} is generated in its segment), target
+  entropy [K, B, T] of the transformed p_{i+k} (nats)), from one forward for all `modes`.
+  Without `segment_ids`, a row is one sequence (its nonzero or generated tokens)."""
+  if segment_ids is None:
+    segment_ids = ((sequences > 0) | generated).astype(jnp.int32)
+  out = model(sequences, positions, segment_ids)
   logp = sampling.sampling_logprobs(out["logits"], params)                  # p_i
   target = jnp.exp(logp)
   ent = -jnp.sum(jnp.where(target > 0, target * logp, 0.0), axis=-1)        # [B, T]
@@ -121,12 +150,15 @@ def teacher_forced_acceptance(graphdef: nnx.GraphDef, state: nnx.State, sequence
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "modes"))
 def teacher_forced_acceptance_by_mode(graphdef: nnx.GraphDef, state: nnx.State,
-                                      sequences: jax.Array, generated: jax.Array, *,
+                                      sequences: jax.Array, generated: jax.Array,
+                                      segment_ids: jax.Array | None = None,
+                                      positions: jax.Array | None = None, *,
                                       params: sampling.SamplingParams,
                                       modes: tuple[str, ...]) -> dict[str, dict[str, jax.Array]]:
-  """{mode: teacher_forced_acceptance's result} for several modes from one forward."""
+  """{mode: teacher_forced_acceptance's result} for several modes from one forward; with
+  `segment_ids` and `positions`, of rows that pack several sequences (`packed_batches`)."""
   alphas, masks, _ = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
-                                   modes)
+                                   modes, segment_ids, positions)
   return {mode: _summarise(alphas[mode], masks, None) for mode in modes}
 
 

@@ -144,14 +144,15 @@ def paired_difference(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def _teacher_forced(graphdef, params, rollouts: rollout.Rollouts, modes, temperature: float,
-                    batch_size: int, buckets) -> dict[str, list[float]]:
+                    batch_size: int, pack_length: int) -> dict[str, list[float]]:
   """Per mode: per-depth acceptance of the batch's rollouts, weighted by the probability of
-  reaching each depth (decoding.diagnostics, one forward for all modes), under `params`."""
+  reaching each depth (decoding.diagnostics, one forward for all modes), under `params`; the
+  rollouts packed into rows of `pack_length` positions, `batch_size` rows per forward."""
   if not modes:
     return {}
   res = mtp_stage.teacher_forced_acceptance(
       graphdef, params, rollouts.sequences(), temperature=temperature, modes=modes,
-      batch_size=batch_size, buckets=buckets)
+      batch_size=batch_size, pack_length=pack_length)
   return {mode: res[mode]["alpha"] for mode in modes}
 
 
@@ -235,7 +236,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   num_steps = c.train.num_steps
   end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
   produce = _make_producer(config, graphdef, task_objs, store, place,
-                           tuple(c.acceptance_modes), learn.buckets)
+                           tuple(c.acceptance_modes), learn.seq_len)
 
   def draw():
     batch = next(prompts)
@@ -318,7 +319,7 @@ def _describe_timing(summary: dict) -> str:
 
 
 def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
-                   place: placement_lib.Placement, tf_modes, buckets):
+                   place: placement_lib.Placement, tf_modes, pack_length: int):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
   on the rollout side with the newest weights in `store` (between decoding calls too, with
   rl.asynchronous.interrupt), rollout key fold_in(seed + 101, index); then the teacher-forced
@@ -347,7 +348,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
       t1 = time.perf_counter()
       for mode, alpha in _teacher_forced(graphdef, params, rollouts, tf_modes,
                                          c.rollout.temperature, c.rollout.batch_size,
-                                         buckets).items():
+                                         pack_length).items():
         metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
       metrics["diagnostics_s"] = time.perf_counter() - t1
     return rollouts, metrics

@@ -203,19 +203,26 @@ def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int) -> gr
 
 def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float,
                               modes: Sequence[str], batch_size: int = 64,
-                              buckets: Sequence[int] = batching.PROMPT_BUCKETS
+                              buckets: Sequence[int] = batching.PROMPT_BUCKETS,
+                              pack_length: int | None = None
                               ) -> dict[str, dict[str, list[float]]]:
   """Per mode: per-depth acceptance over the policy tokens of held-out rollouts, plain
-  ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha")."""
+  ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha").
+
+  The sequences are packed (first-fit-decreasing, each its own segment) into rows of
+  `pack_length` positions (default: the bucket that holds the longest), up to `batch_size`
+  rows per forward."""
   params_s = sampling.SamplingParams(temperature=temperature)
-  longest = batching.bucket(max(len(t) for t, _ in sequences), buckets)
+  lengths = np.asarray([len(t) for t, _ in sequences])
+  length = pack_length or batching.bucket(int(lengths.max()), buckets)
   keys = ("alpha", "alpha_unweighted")
   sums = {mode: {k: 0.0 for k in keys} for mode in modes}
   weights = {mode: 0.0 for mode in modes}
-  for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
+  bins = batching.first_fit_decreasing(lengths, length)
+  for seq, gen, seg, pos in diagnostics.packed_batches(sequences, bins, batch_size, length):
     out = jax.device_get(diagnostics.teacher_forced_acceptance_by_mode(
-        graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s,
-        modes=tuple(modes)))
+        graphdef, params, jnp.asarray(seq), jnp.asarray(gen), jnp.asarray(seg),
+        jnp.asarray(pos), params=params_s, modes=tuple(modes)))
     # Combine batches by their position counts (exact for the plain mean; the weighted
     # one is combined by positions too, a close approximation across batches).
     for mode in modes:
