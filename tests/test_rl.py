@@ -73,12 +73,16 @@ def test_grpo_learns_a_task_that_a_random_policy_rarely_solves():
       max_new_tokens=8, batch_size=32, prompt_buckets=(16,)))
   held_out = [task.sample(1000 + i) for i in range(256)]
   before = engine.generate(held_out, jax.random.key(7)).rewards
+  shapes = {(learn.update_rows, 24)}  # compiled ahead of time
   for step in range(rl.train.num_steps):
     prompts = [task.sample(4 * step + i // rl.group_size) for i in range(32)]
     rollouts = engine.generate(prompts, jax.random.fold_in(jax.random.key(1), step))
     metrics = learn.update(rollouts, step)
     engine.update_params(learn.params(), step + 1)
     assert metrics["sampler_learner_logprob_diff_max"] < 1e-5  # on-policy: ratio 1
+    shapes.add((metrics["learner_rows"], metrics["learner_length"]))
+  # One compiled update per packed batch shape, none per step.
+  assert learn.num_compiled == len(shapes) <= 1 + len(learn.row_buckets)
   after = engine.generate(held_out, jax.random.key(7)).rewards
   delta = after - before
   se = delta.std(ddof=1) / np.sqrt(len(delta))
