@@ -91,6 +91,25 @@ def test_a_row_does_not_depend_on_the_other_rows(mode):
   assert not np.array_equal(np.asarray(a.tokens)[1:], np.asarray(b.tokens)[1:])
 
 
+def test_the_sampled_modes_share_one_compiled_loop():
+  """rejection, greedy_draft and strict run one program (the mode is its argument); exact,
+  at temperature 0, is its own. The modes still decode differently from the same key."""
+  tokens, lengths = _prompts(b=4, seed=5)
+  outs = {"rejection": _spec(tokens, lengths, mode="rejection", temperature=1.0, seed=3)}
+  size = speculative.generate._cache_size()  # pylint: disable=protected-access
+  for mode in ("greedy_draft", "strict"):
+    outs[mode] = _spec(tokens, lengths, mode=mode, temperature=1.0, seed=3)
+  assert speculative.generate._cache_size() == size  # pylint: disable=protected-access
+  _spec(tokens, lengths, mode="exact", temperature=0.0)
+  assert speculative.generate._cache_size() == size + 1  # pylint: disable=protected-access
+  # The random model's drafts: greedy_draft drafts argmax q and accepts with p(d), so its
+  # acceptance and tokens differ from rejection's on the same key.
+  assert not np.array_equal(np.asarray(outs["rejection"].accepted),
+                            np.asarray(outs["greedy_draft"].accepted))
+  with pytest.raises(ValueError, match="mode='beam' is not allowed"):
+    _spec(tokens, lengths, mode="beam", temperature=1.0)
+
+
 def test_outputs_are_consistent_and_loop_compiles_once():
   tokens, lengths = _prompts()
   out = _spec(tokens, lengths, mode="rejection", temperature=1.0, seed=1)

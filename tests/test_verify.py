@@ -199,3 +199,23 @@ def test_a_token_of_target_probability_zero_is_never_emitted(mode):
   for seed in range(50):
     n, nxt = verify_lib.verify(jax.random.key(seed), drafts, q, p, mode)
     assert int(n[0]) == 0 and int(nxt[0]) in (4, 5), (seed, int(n[0]), int(nxt[0]))
+
+
+def test_a_traced_mode_index_verifies_as_its_mode_does():
+  """One compiled verification serves every sampled mode: the index into SAMPLED_MODES
+  selects the same rule as the mode's name (rejection's differs from the other two)."""
+  assert verify_lib.SAMPLED_MODES == SAMPLING_MODES
+  rng = np.random.default_rng(5)
+  b = 512
+  draft_probs = jnp.asarray(rng.dirichlet([0.7] * V, size=(b, K)), jnp.float32)
+  target_probs = jnp.asarray(rng.dirichlet([0.7] * V, size=(b, K + 1)), jnp.float32)
+  drafts = jnp.asarray(rng.integers(0, V, (b, K)), jnp.int32)
+  by_index = jax.jit(verify_lib.verify)
+  results = {}
+  for i, mode in enumerate(SAMPLING_MODES):
+    want = verify_lib.verify(jax.random.key(3), drafts, draft_probs, target_probs, mode)
+    got = by_index(jax.random.key(3), drafts, draft_probs, target_probs, jnp.int32(i))
+    for w, g in zip(want, got):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=mode)
+    results[mode] = np.asarray(want[0])
+  assert not np.array_equal(results["rejection"], results["greedy_draft"])

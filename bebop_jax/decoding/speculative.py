@@ -22,6 +22,13 @@ h0_n is known) and x_{n+1}, already sampled from p_n. One iteration:
 Rows stop independently (a stop token, the turn's token limit, or max_new_tokens); a stopped
 row's state is frozen.
 
+The modes of temperature > 0 (rejection, greedy_draft, strict) share one compiled program per
+shape: the mode is an argument of the program (an index into verification.SAMPLED_MODES),
+not of its compilation, and each iteration computes both draft choices and both verification
+rules and selects one. That costs a few elementwise ops on [B, K, V] per iteration and
+saves a compilation of the whole loop per mode (a decoding loop is the expensive program
+to compile: its layers are unrolled). `exact` (temperature 0) is its own program.
+
 Multi-turn (agentic) generation keeps the `DecodeState` between calls: `start` prefills and
 decodes the first turn; `continue_with_reply` appends an environment reply to chosen rows
 (one target forward over [x_{n+1}, reply] writes the main cache and the hidden states, then
@@ -39,6 +46,7 @@ from typing import Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bebop_jax.decoding import batching, sampling
@@ -46,6 +54,7 @@ from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.decoding.autoregressive import check_lengths
 
 MODES = verify_lib.MODES
+_GREEDY_DRAFT = verify_lib.SAMPLED_MODES.index("greedy_draft")
 
 
 @flax.struct.dataclass
@@ -156,7 +165,8 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
 
 
 def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
-  """Runs the draft-verify-commit loop until every row is done (w: model.loop_weights())."""
+  """Runs the draft-verify-commit loop until every row is done (w: model.loop_weights()).
+  mode: "exact", or a traced int32 index into verification.SAMPLED_MODES."""
   b = s.seq.shape[0]
   buf_len = s.seq.shape[1]
   k = s.out.attempted.shape[1]
@@ -191,10 +201,10 @@ def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
                                                ext[:, depth:depth + window], start, at_n,
                                                weights=w)
       q_logp = sampling.sampling_logprobs(q_logits, params)
-      if mode in ("greedy_draft", "exact"):
-        d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
-      else:
-        d = sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp)
+      d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
+      if not isinstance(mode, str):  # an index into SAMPLED_MODES: greedy_draft drafts argmax
+        d = jnp.where(mode == _GREEDY_DRAFT, d,
+                      sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp))
       if depth < k:  # d_K is not an input of any depth
         ext = jnp.where(offsets == (at_n + 1 + depth)[:, None], d[:, None], ext)
       drafts.append(d)
@@ -303,61 +313,97 @@ def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params,
   return s.replace(cache=cache)
 
 
-_STATIC = ("graphdef", "params", "mode", "max_turn_tokens")
+_STATIC = ("graphdef", "params", "program", "max_turn_tokens")
+
+
+def _program_mode(program: str, mode_index: jax.Array):
+  """_decode's mode: "exact", or the traced index of a sampled mode."""
+  return "exact" if program == "exact" else mode_index
 
 
 def _first_turn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                 prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
-                cache_length: int, params: sampling.SamplingParams, mode: str,
-                stop_tokens: Sequence[int], row_stops: jax.Array | None = None,
-                num_draft_steps: int | None = None,
+                cache_length: int, params: sampling.SamplingParams, program: str,
+                mode_index: jax.Array, stop_tokens: Sequence[int],
+                row_stops: jax.Array | None = None, num_draft_steps: int | None = None,
                 max_turn_tokens: int | None = None) -> DecodeState:
   """Prefills right-padded prompts [B, P] and decodes the first turn: until a stop token
   (those of `row_stops` [B, S] bool when given, see batching.stop_table), `max_turn_tokens`
   or `max_new_tokens` (the whole completion's budget). Compiled once per (B, P) and
   settings."""
-  _check_mode(mode, params)
   model = nnx.merge(graphdef, state)
   k = _num_drafts(model, num_draft_steps)
   w = model.loop_weights()
   s = _start(model, w, prompt_tokens, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
              cache_length=cache_length, params=params, stop_tokens=stop_tokens,
              row_stops=row_stops, max_turn_tokens=max_turn_tokens)
-  return _decode(model, w, s, params=params, mode=mode)
+  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index))
+
+
+class _ModeArgument:
+  """A jitted decoding function, called with `mode=` a name of MODES. The sampled modes
+  become the program's argument `mode_index` (see the module docstring), so they share one
+  compiled program; "exact" is its own. `lower` and `_cache_size` are the jitted function's.
+  """
+
+  def __init__(self, jitted):
+    self._jitted = jitted
+    functools.update_wrapper(self, jitted)
+
+  @staticmethod
+  def _translate(kwargs):
+    mode = kwargs.pop("mode")
+    _check_mode(mode, kwargs["params"])
+    exact = mode == "exact"
+    return dict(kwargs, program="exact" if exact else "sampled", mode_index=np.int32(
+        0 if exact else verify_lib.SAMPLED_MODES.index(mode)))
+
+  def __call__(self, *args, **kwargs):
+    return self._jitted(*args, **self._translate(kwargs))
+
+  def lower(self, *args, **kwargs):
+    return self._jitted.lower(*args, **self._translate(kwargs))
+
+  def _cache_size(self) -> int:
+    return self._jitted._cache_size()  # pylint: disable=protected-access
 
 
 _FIRST_STATIC = _STATIC + ("max_new_tokens", "cache_length", "num_draft_steps", "stop_tokens")
-start = jax.jit(_first_turn, static_argnames=_FIRST_STATIC)
+start = _ModeArgument(jax.jit(_first_turn, static_argnames=_FIRST_STATIC))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("decode_state",))
-def continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
-                        reply_tokens: jax.Array, reply_lengths: jax.Array, *,
-                        params: sampling.SamplingParams, mode: str,
-                        max_turn_tokens: int | None = None) -> DecodeState:
+def _continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
+                         reply_tokens: jax.Array, reply_lengths: jax.Array, *,
+                         params: sampling.SamplingParams, program: str, mode_index: jax.Array,
+                         max_turn_tokens: int | None = None) -> DecodeState:
   """Appends right-padded replies [B, R] (rows with reply_lengths 0 are finished and left
   alone; a reply that would fill the completion budget is not appended and its row stays
   done) and decodes the next turn, with the stop tokens `start` was given. Donates
   `decode_state`."""
-  _check_mode(mode, params)
   model = nnx.merge(graphdef, state)
   w = model.loop_weights()
   s = _append(model, w, decode_state, reply_tokens, reply_lengths, params=params,
               max_turn_tokens=max_turn_tokens)
-  return _decode(model, w, s, params=params, mode=mode)
+  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index))
 
 
-@functools.partial(jax.jit, static_argnames=_FIRST_STATIC)
-def generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
-             prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
-             cache_length: int, params: sampling.SamplingParams, mode: str,
-             stop_tokens: Sequence[int], row_stops: jax.Array | None = None,
-             num_draft_steps: int | None = None,
-             max_turn_tokens: int | None = None) -> SpeculativeOutput:
+continue_with_reply = _ModeArgument(jax.jit(_continue_with_reply, static_argnames=_STATIC,
+                                            donate_argnames=("decode_state",)))
+
+
+def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+              prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+              cache_length: int, params: sampling.SamplingParams, program: str,
+              mode_index: jax.Array, stop_tokens: Sequence[int],
+              row_stops: jax.Array | None = None, num_draft_steps: int | None = None,
+              max_turn_tokens: int | None = None) -> SpeculativeOutput:
   """Samples up to `max_new_tokens` per row after right-padded prompts [B, P] with K drafts
   per target forward (single turn). Compiled once per (B, P) and settings."""
   return _first_turn(
       graphdef, state, prompt_tokens, prompt_lengths, rng, max_new_tokens=max_new_tokens,
-      cache_length=cache_length, params=params, mode=mode, stop_tokens=stop_tokens,
-      row_stops=row_stops, num_draft_steps=num_draft_steps,
+      cache_length=cache_length, params=params, program=program, mode_index=mode_index,
+      stop_tokens=stop_tokens, row_stops=row_stops, num_draft_steps=num_draft_steps,
       max_turn_tokens=max_turn_tokens).out
+
+
+generate = _ModeArgument(jax.jit(_generate, static_argnames=_FIRST_STATIC))

@@ -17,6 +17,10 @@ Modes, each preserving the target distribution exactly:
                 sample of p conditioned on != d_j.  acceptance sum_v p_v q_v
   exact         temperature 0: accept iff d_j == argmax p_j; the next token is argmax p at
                 the first mismatch (or of the bonus). Equals greedy decoding token for token.
+
+`mode` is a name of MODES, or a traced int32 index into SAMPLED_MODES (the modes of
+temperature > 0): then both verification rules are computed and the index selects one, so a
+decoding loop compiled once serves every sampled mode (speculative.py).
 """
 
 from __future__ import annotations
@@ -25,7 +29,17 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("rejection", "greedy_draft", "strict", "exact")
+SAMPLED_MODES = MODES[:3]  # the modes a traced index selects; exact needs temperature 0
 _TINY = 1e-30
+
+
+def _by_mode(mode, rule):
+  """rule(mode) for a mode name; for a traced index into SAMPLED_MODES, rejection's rule or
+  the one greedy_draft and strict share, selected elementwise."""
+  if isinstance(mode, str):
+    return rule(mode)
+  return jnp.where(mode == SAMPLED_MODES.index("rejection"), rule("rejection"),
+                   rule("greedy_draft"))
 
 
 def _categorical(gumbel: jax.Array, probs: jax.Array) -> jax.Array:
@@ -38,6 +52,8 @@ def _categorical(gumbel: jax.Array, probs: jax.Array) -> jax.Array:
 def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
                      target_probs: jax.Array, mode: str) -> jax.Array:
   """[B, K] probability of accepting each draft given that all earlier ones were accepted."""
+  if not isinstance(mode, str):
+    return _by_mode(mode, lambda m: acceptance_probs(draft_tokens, draft_probs, target_probs, m))
   k = draft_tokens.shape[1]
   p = jnp.take_along_axis(target_probs[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
   if mode == "rejection":
@@ -56,6 +72,8 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
 def residual_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
                    mode: str) -> jax.Array:
   """[B, K, V] the (unnormalised) distribution to sample from after rejecting draft j."""
+  if not isinstance(mode, str):
+    return _by_mode(mode, lambda m: residual_probs(draft_tokens, draft_probs, target_probs, m))
   k = draft_tokens.shape[1]
   p = target_probs[:, :k]
   if mode == "rejection":
@@ -83,8 +101,9 @@ def _row_keys(rng: jax.Array, b: int) -> jax.Array:
 
 
 def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
-           target_probs: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
-  """(num_accepted [B], next_token [B]); see the module docstring.
+           target_probs: jax.Array, mode) -> tuple[jax.Array, jax.Array]:
+  """(num_accepted [B], next_token [B]); see the module docstring (`mode`: a name, or a
+  traced index into SAMPLED_MODES).
 
   `rng` is one key, or B keys (one per row: then a row's result depends on its own key and
   inputs only, whatever the rest of the batch holds), typed (`jax.random.key`) or legacy
@@ -92,7 +111,7 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
   draft tokens are the ones scored (the caller drafts argmax q); a token of target
   probability 0 is never emitted.
   """
-  if mode not in MODES:
+  if isinstance(mode, str) and mode not in MODES:
     raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
   b, k = draft_tokens.shape
   if draft_probs.shape[:2] != (b, k) or target_probs.shape[:2] != (b, k + 1):
@@ -113,10 +132,11 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
       draft_tokens, draft_probs, target_probs, mode)
   num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
   # Row a of [residuals..., bonus] is the distribution of the token after a accepted drafts.
+  bonus = target_probs[:, k:]
+  if isinstance(mode, str) and mode == "exact":
+    bonus = jax.nn.one_hot(jnp.argmax(bonus, -1), bonus.shape[-1], dtype=bonus.dtype)
   after = jnp.concatenate(
-      [residual_probs(draft_tokens, draft_probs, target_probs, mode),
-       target_probs[:, k:] if mode != "exact" else jax.nn.one_hot(
-           jnp.argmax(target_probs[:, k:], -1), target_probs.shape[-1])], axis=1)
+      [residual_probs(draft_tokens, draft_probs, target_probs, mode), bonus], axis=1)
   chosen = jnp.take_along_axis(after, num_accepted[:, None, None], axis=1)[:, 0]
   return num_accepted.astype(jnp.int32), _categorical(gumbel, chosen)
 
