@@ -24,10 +24,12 @@ row's state is frozen.
 
 The modes of temperature > 0 (rejection, greedy_draft, strict) share one compiled program per
 shape: the mode is an argument of the program (an index into verification.SAMPLED_MODES),
-not of its compilation, and each iteration computes both draft choices and both verification
-rules and selects one. That costs a few elementwise ops on [B, K, V] per iteration and
-saves a compilation of the whole loop per mode (a decoding loop is the expensive program
-to compile: its layers are unrolled). `exact` (temperature 0) is its own program.
+not of its compilation. Drafts are argmax(log q + g) with the Gumbel noise g scaled by 0
+for greedy_draft (argmax q) and 1 otherwise (a sample of q), and verification selects its
+rule elementwise. The outputs are bitwise those of a loop compiled for one mode, at the cost
+of a few elementwise ops on [B, K, V] per iteration; it saves compiling the whole loop per
+mode (a decoding loop is the expensive program to compile: its layers are unrolled).
+`exact` (temperature 0) is its own program.
 
 Multi-turn (agentic) generation keeps the `DecodeState` between calls: `start` prefills and
 decodes the first turn; `continue_with_reply` appends an environment reply to chosen rows
@@ -183,6 +185,8 @@ def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
     rng, verify_key, draft_key = sampling.split_rows(s.rng, 3)
     # The Gumbel noise of all K draft samples in one PRNG call (see sample_with_noise).
     draft_noise = jax.vmap(lambda key: jax.random.gumbel(key, (k, q_vocab)))(draft_key)
+    if not isinstance(mode, str):  # an index into SAMPLED_MODES: greedy_draft drafts argmax q
+      draft_noise = draft_noise * jnp.where(mode == _GREEDY_DRAFT, 0.0, 1.0)
     n = s.frontier
     cache = s.cache
     # 1. Draft through the MTP chain over each row's window. Depth k at window position
@@ -201,10 +205,10 @@ def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
                                                ext[:, depth:depth + window], start, at_n,
                                                weights=w)
       q_logp = sampling.sampling_logprobs(q_logits, params)
-      d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
-      if not isinstance(mode, str):  # an index into SAMPLED_MODES: greedy_draft drafts argmax
-        d = jnp.where(mode == _GREEDY_DRAFT, d,
-                      sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp))
+      if isinstance(mode, str):  # "exact"
+        d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
+      else:  # argmax(q_logp + 0) = argmax q for greedy_draft, a sample of q otherwise
+        d = sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp)
       if depth < k:  # d_K is not an input of any depth
         ext = jnp.where(offsets == (at_n + 1 + depth)[:, None], d[:, None], ext)
       drafts.append(d)

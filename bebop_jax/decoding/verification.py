@@ -72,21 +72,20 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
 def residual_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
                    mode: str) -> jax.Array:
   """[B, K, V] the (unnormalised) distribution to sample from after rejecting draft j."""
-  if not isinstance(mode, str):
-    return _by_mode(mode, lambda m: residual_probs(draft_tokens, draft_probs, target_probs, m))
   k = draft_tokens.shape[1]
   p = target_probs[:, :k]
-  if mode == "rejection":
-    res = jnp.maximum(p - draft_probs, 0.0)
-    # p == q cannot reject; guard the all-zero row anyway by falling back to p.
-    return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, p)
-  if mode in ("greedy_draft", "strict"):
-    not_draft = jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=bool)
-    res = jnp.where(not_draft, 0.0, p)
-    return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, p)
-  if mode == "exact":
+  if isinstance(mode, str) and mode == "exact":
     return jax.nn.one_hot(jnp.argmax(p, -1), p.shape[-1], dtype=p.dtype)
-  raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
+  if isinstance(mode, str) and mode not in SAMPLED_MODES:
+    raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
+
+  def residual(m):
+    if m == "rejection":
+      return jnp.maximum(p - draft_probs, 0.0)
+    return jnp.where(jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=bool), 0.0, p)
+  res = _by_mode(mode, residual)
+  # p == q cannot reject; guard the all-zero row anyway by falling back to p.
+  return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, p)
 
 
 def _row_keys(rng: jax.Array, b: int) -> jax.Array:
