@@ -49,6 +49,32 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
   return bins
 
 
+def pack_layout(bins: Sequence[Sequence[int]], lengths: Sequence[int], rows: int, length: int
+                ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, slice]]]:
+  """Where packed items go: row r of `rows` holds the items `bins[r]` back to back, item i
+  its `lengths[i]` positions, each its own segment (1, 2, ... within the row; 0 is padding)
+  with positions restarting at 0. Returns (segment_ids [rows, length] int32, positions
+  [rows, length] int32, spans: (row, item, slice of the row) per item)."""
+  if len(bins) > rows:
+    raise ValueError(f"{len(bins)} packed rows do not fit a batch of {rows} rows")
+  segment_ids = np.zeros((rows, length), np.int32)
+  positions = np.zeros((rows, length), np.int32)
+  spans = []
+  for r, members in enumerate(bins):
+    offset = 0
+    for segment, i in enumerate(members, 1):
+      n = int(lengths[i])
+      if offset + n > length:
+        raise ValueError(f"the items {list(members)} ({offset + n}+ tokens) overflow a row "
+                         f"of {length} positions")
+      span = slice(offset, offset + n)
+      segment_ids[r, span] = segment
+      positions[r, span] = np.arange(n)
+      spans.append((r, int(i), span))
+      offset += n
+  return segment_ids, positions, spans
+
+
 def pad_rows(rows: Sequence[Sequence[int]], batch_size: int, buckets: Sequence[int]
              ) -> tuple[np.ndarray, np.ndarray]:
   """(tokens [batch_size, P] int32, lengths [batch_size] int32): `rows` right-padded with 0

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop_jax.decoding import sampling
+from bebop_jax.decoding import batching, sampling
 from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.model.model import shift_left
 
@@ -51,23 +51,17 @@ def packed_batches(sequences, bins: list[list[int]], batch_size: int, length: in
   `bins[r]` back to back (batching.first_fit_decreasing), each its own segment with
   positions from 0; `batch_size` packed rows per batch, the last one cut to the smallest
   multiple of `row_step` (or batch_size) that holds its rows."""
+  lengths = [len(tokens) for tokens, _ in sequences]
   for first in range(0, len(bins), batch_size):
     chunk = bins[first:first + batch_size]
     rows = min(batch_size, -(-len(chunk) // row_step) * row_step)
+    seg, pos, spans = batching.pack_layout(chunk, lengths, rows, length)
     seq = np.zeros((rows, length), np.int32)
     gen = np.zeros((rows, length), bool)
-    seg = np.zeros((rows, length), np.int32)
-    pos = np.zeros((rows, length), np.int32)
-    for r, members in enumerate(chunk):
-      offset = 0
-      for segment, i in enumerate(members, 1):
-        tokens, mask = sequences[i][0], np.asarray(sequences[i][1]) > 0
-        n = len(tokens)
-        seq[r, offset:offset + n] = tokens
-        gen[r, offset:offset + len(mask)] = mask
-        seg[r, offset:offset + n] = segment
-        pos[r, offset:offset + n] = np.arange(n)
-        offset += n
+    for r, i, span in spans:
+      tokens, mask = sequences[i][0], np.asarray(sequences[i][1]) > 0
+      seq[r, span] = tokens
+      gen[r, span.start:span.start + len(mask)] = mask
     yield seq, gen, seg, pos
 
 

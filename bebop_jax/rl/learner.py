@@ -89,27 +89,15 @@ def pack_rows(part: Mapping[str, np.ndarray], lengths: np.ndarray, bins: list[li
   """The update batch (module docstring) of `part`, a row-per-rollout batch with per-row
   advantages and token_weights: row r holds the rollouts `bins[r]` back to back, rollout i
   its first lengths[i] positions; rows past len(bins) are padding."""
-  if len(bins) > rows:
-    raise ValueError(f"{len(bins)} packed rows do not fit an update batch of {rows} rows")
+  segment_ids, positions, spans = batching.pack_layout(bins, lengths, rows, length)
   per_token = [k for k, v in part.items() if np.ndim(v) == 2 and k != "segment_ids"]
   out = {k: np.zeros((rows, length), part[k].dtype) for k in per_token}
-  for k in ("segment_ids", "positions"):
-    out[k] = np.zeros((rows, length), np.int32)
-  out["advantages"] = np.zeros((rows, length), np.float32)
-  for r, members in enumerate(bins):
-    offset = 0
-    for segment, i in enumerate(members, 1):
-      n = int(lengths[i])
-      if offset + n > length:
-        raise ValueError(f"the rollouts {members} ({offset + n}+ tokens) overflow a row of "
-                         f"{length} positions")
-      span = slice(offset, offset + n)
-      for k in per_token:
-        out[k][r, span] = part[k][i, :n]
-      out["advantages"][r, span] = part["advantages"][i]
-      out["segment_ids"][r, span] = segment
-      out["positions"][r, span] = np.arange(n)
-      offset += n
+  out.update(segment_ids=segment_ids, positions=positions,
+             advantages=np.zeros((rows, length), np.float32))
+  for r, i, span in spans:
+    for k in per_token:
+      out[k][r, span] = part[k][i, :span.stop - span.start]
+    out["advantages"][r, span] = part["advantages"][i]
   return out
 
 
