@@ -321,7 +321,28 @@ def test_the_speed_benchmark_reads_the_arms_it_finds_complete(sync_split, async_
   else:
     assert out["target"] is None and arms["speculative_sync"]["time_to_target_s"] is None
   assert set(out["ratios"]) == {"speculative_async"}
+  # Run before this call, in one go each: one paired unit, no interval.
+  assert not any(a["interleaved"] for a in arms.values())
+  pair = out["pairs"]["speculative_async_vs_speculative_sync"]
+  assert set(out["pairs"]) == {"speculative_async_vs_speculative_sync"}
+  assert (pair["steps"], pair["blocks"], pair["ci95"]) == (2, 1, None) and pair["measured"] > 0
+  assert out["placement"]["mode"] == "split" and out["placement"]["simulated"]
+  assert out["schedule"]["segments"] == []
   json.dumps(out)
+
+
+def test_the_speed_benchmark_resumes_an_arm_across_blocks_exactly(sync_split, tmp_path,
+                                                                  rl_source):
+  """bench.run_arms in blocks of 2 steps (the stage stops at step 2 and resumes to 3): the
+  sync arm's per-step rewards, lengths, tokens and every other logged number equal its run
+  straight through (sync_split), and both stage starts are in the schedule."""
+  out = bench.run_arms(rl_source.config(**SPLIT), str(tmp_path), ["speculative_sync"],
+                       split=True, warmup=1, block_steps=2)
+  assert _records(str(tmp_path / "speculative_sync")) == _records(sync_split)
+  assert [(s["block"], s["first_step"], s["last_step"]) for s in out["schedule"]["segments"]
+          ] == [(0, 1, 2), (1, 3, 3)]
+  arm = out["arms"]["speculative_sync"]
+  assert arm["interleaved"] and arm["warmup_steps"] == [1, 3] and arm["steady_steps"] == [2]
 
 
 def test_a_crashing_rollout_thread_loses_and_repeats_no_batch(rl_source, sync_split, tmp_path,
