@@ -1,4 +1,5 @@
-"""Multi-turn speculative generation: environment replies prefilled into every cache."""
+"""Multi-turn generation: environment replies prefilled into every cache (speculative) or
+the target's cache (autoregressive), against decoding that re-encodes the whole context."""
 
 import dataclasses
 
@@ -151,8 +152,10 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
     assert envs[i].seen == env.seen
     assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.policy_mask) if not m)
   assert sum(ep.turns for ep in episodes) >= 7  # replies were appended, several per row
+  # Each turn's first token comes from the prefill or the reply's forward.
+  assert all(ep.emitted_by_forwards == sum(ep.policy_mask) - ep.turns for ep in episodes)
   if engine == "autoregressive":
-    assert all(ep.target_forwards == sum(ep.policy_mask) - ep.turns for ep in episodes)
+    assert all(ep.target_forwards == ep.emitted_by_forwards for ep in episodes)
     return
   # The random model's drafts are mostly wrong: rejections happened around the replies.
   attempted = sum(ep.attempted for ep in episodes)
@@ -211,3 +214,117 @@ def test_row_stops_choose_each_rows_stop_tokens(engine):
         assert n[row] == first + 1
       hits += row == 1 and 7 in emitted  # row 1 ran past a token 7
   assert hits > 0
+
+
+@dataclasses.dataclass
+class _ScriptedEnv:
+  """Replies replies[t] to policy turn t; after the last reply's turn, ends with reward =
+  turns seen."""
+  replies: list[str]
+  seen: list = dataclasses.field(default_factory=list)
+
+  def step(self, text):
+    self.seen.append(text)
+    t = len(self.seen) - 1
+    if t < len(self.replies):
+      return multi_turn_result(self.replies[t], False, 0.0)
+    return multi_turn_result("", True, float(len(self.seen)))
+
+
+# Replies of different lengths in different rows (4 to 40 tokens), a row the environment
+# ends after its first turn, and a row whose second reply cannot fit the budget. Five
+# prompts in chunks of 4 rows: the second chunk is one row and padding.
+AR_REPLIES = [
+    ["<|result|>7<|/result|>", "<|result|>" + "a" * 9 + "<|/result|>"],
+    [],
+    ["ok", "no", "<|result|>" + "z" * 14 + "<|/result|>"],
+    ["<|result|>" + "b" * 10 + "<|/result|>", "c" * 40],
+    ["d" * 5],
+]
+AR_PARAMS = sampling.SamplingParams(0.8, top_k=50)
+AR_KW = dict(batch_size=4, max_new_tokens=56, max_turn_tokens=6, params=AR_PARAMS)
+
+
+@pytest.fixture(scope="module")
+def ar_episodes():
+  """{continuation: (prompts, episodes, environments)} for the same key."""
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = get_tokenizer()
+  prompts = [tok.encode(s, add_bos=True)
+             for s in ("what is 3+4?", "get age of bob", "x", "list files", "hi")]
+  out = {}
+  for continuation in (True, False):
+    envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
+    out[continuation] = (prompts, multi_turn.autoregressive_episodes(
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(tok.eos_id,),
+        continuation=continuation, **AR_KW), envs)
+  return out
+
+
+def test_autoregressive_continuation_equals_reencoding_the_context(ar_episodes):
+  """Keeping the cache across turns and re-encoding the whole context every turn sample
+  the same episodes from the same key: per-row keys carried across turns, split once per
+  sampled token whatever the other rows do."""
+  _, kept, kept_envs = ar_episodes[True]
+  _, fresh, fresh_envs = ar_episodes[False]
+  for i, (a, b) in enumerate(zip(kept, fresh)):
+    assert a.tokens == b.tokens, i
+    assert a.policy_mask == b.policy_mask, i
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0, err_msg=str(i))
+    np.testing.assert_allclose(a.entropy, b.entropy, atol=1e-5, rtol=0, err_msg=str(i))
+    assert (a.reward, a.turns, a.done, a.truncated) == (b.reward, b.turns, b.done,
+                                                       b.truncated), i
+    assert a.target_forwards == b.target_forwards == a.emitted_by_forwards, i
+    assert a.emitted_by_forwards + a.turns == sum(a.policy_mask), i
+    assert kept_envs[i].seen == fresh_envs[i].seen, i
+  # The scenario: several turns in rows 0 and 2, an early end in row 1, and row 3's second
+  # reply cut by the budget.
+  assert [ep.turns for ep in kept] == [3, 1, 4, 2, 2]
+  assert [ep.done for ep in kept] == [True, True, True, False, True]
+  assert kept[3].truncated and len(kept[3].tokens) + 40 >= AR_KW["max_new_tokens"]
+
+
+def test_autoregressive_continuation_logprobs_equal_a_teacher_forced_forward(ar_episodes):
+  """The log-probs and entropies a continued episode reports equal one teacher-forced
+  forward of the policy over prompt + turns + replies, at the policy's positions, under
+  the same sampling transform."""
+  prompts, episodes, _ = ar_episodes[True]
+  model = nnx.merge(GRAPHDEF, STATE)
+  forward = jax.jit(lambda x: model(x, num_draft_steps=0)["logits"])
+  checked = 0
+  for prompt, ep in zip(prompts, episodes):
+    seq = np.asarray(prompt + ep.tokens, np.int32)[None]
+    logits = forward(jnp.asarray(seq))[0]
+    # Completion token j sits at position P + j and is scored by the logits at P + j - 1.
+    scored = logits[len(prompt) - 1:-1]
+    logp = np.asarray(sampling.sampling_logprobs(scored, AR_PARAMS))
+    ent = np.asarray(sampling.entropy(scored))
+    mask = np.asarray(ep.policy_mask)
+    ref = logp[np.arange(len(ep.tokens)), ep.tokens]
+    np.testing.assert_allclose(np.asarray(ep.logprobs)[mask], ref[mask], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(ep.entropy)[mask], ent[mask], atol=1e-5, rtol=0)
+    assert (np.asarray(ep.logprobs)[~mask] == 0).all()
+    checked += int((~mask).sum() > 0)
+  assert checked == 4  # four episodes have replies in their sequences
+
+
+def test_autoregressive_episodes_compile_once_per_bucket():
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = get_tokenizer()
+
+  def run(seed):
+    prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
+    envs = [_ScriptedEnv(["<|result|>" + "z" * (3 + i + seed) + "<|/result|>"] * (1 + i))
+            for i in range(3)]
+    return multi_turn.autoregressive_episodes(
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
+        max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
+        stop_tokens=(tok.eos_id,))
+
+  sizes = lambda: (autoregressive.start._cache_size(),  # pylint: disable=protected-access
+                   autoregressive.continue_with_reply._cache_size())  # pylint: disable=protected-access
+  run(0)
+  compiled = sizes()
+  episodes = run(1) + run(2)
+  assert sizes() == compiled
+  assert max(ep.turns for ep in episodes) == 4  # replies appended, reply buckets reused

@@ -104,9 +104,13 @@ def test_rollouts_of_a_mixed_batch(engine):
     assert (r.logprobs[i][~r.policy_mask[i]] == 0).all()
     assert (r.logprobs[i][r.policy_mask[i]] < 0).all()
     assert (r.entropy[i][r.policy_mask[i]] > 0).all()
+    # Each turn's first token comes from the prefill or the reply's forward.
+    assert r.emitted_by_forwards[i] == mask.sum() - r.turns[i]
     if ex.task == "agentic":
       # Two replies, each right after a policy turn, none in the policy mask.
       assert r.turns[i] == 3 and r.done[i] and r.rewards[i] == 3.0
+      # Truncated when max_turn_tokens cut the last turn before a stop token.
+      assert r.truncated[i] == (toks[-1] not in (tok.eos_id, tok.call_end_id))
       starts = [j for j in range(n) if toks[j:j + len(reply)] == reply]
       assert len(starts) == 2
       for j in starts:
@@ -118,9 +122,14 @@ def test_rollouts_of_a_mixed_batch(engine):
       assert r.rewards[i] == pytest.approx(tasks["math"].reward(ex, text))
       # max_turn_tokens=5 ends the turn; a tool-call end does not stop a single-turn row.
       assert n == 5 or toks[-1] == tok.eos_id
+      assert r.truncated[i] == (toks[-1] != tok.eos_id)
   if engine == "speculative":
     assert (r.attempted[:, 0] == r.target_forwards).all() and r.accepted.sum() > 0
     assert 1 < r.tokens_per_target_forward() < 1 + CONFIG.num_draft_steps
+    assert r.tokens_per_target_forward() == r.emitted_by_forwards.sum() / r.attempted[:, 0].sum()
+  else:
+    assert (r.target_forwards == r.emitted_by_forwards).all()
+    assert r.tokens_per_target_forward() == 1.0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -197,10 +206,17 @@ def test_bad_settings_are_clear_errors():
   eng = rollout.JaxEngine(GRAPHDEF, STATE, {"math": CharTask()}, _settings("speculative"))
   with pytest.raises(ValueError, match="task 'code'"):
     eng.generate([base.Example("code", "x", "y", {})], jax.random.key(0))
-  eng = rollout.JaxEngine(GRAPHDEF, STATE, {"agentic": EchoTask()},
-                          _settings("autoregressive", prompt_buckets=(16,)))
-  with pytest.raises(ValueError, match="add a bucket >= 47"):
-    eng.generate([EchoTask().sample(0)], jax.random.key(0))
+
+
+def test_autoregressive_multi_turn_contexts_may_outgrow_the_prompt_buckets():
+  """The autoregressive engine keeps its cache across turns (prompt bucket + max_new_tokens
+  positions), so only the prompt needs a bucket."""
+  task = EchoTask(turns=2)
+  eng = rollout.JaxEngine(GRAPHDEF, STATE, {"agentic": task},
+                          _settings("autoregressive", prompt_buckets=(16,), max_turn_tokens=8))
+  r = eng.generate([task.sample(i) for i in range(2)], jax.random.key(0))
+  assert (r.turns == 3).all() and r.done.all()
+  assert (r.prompt_lengths + r.lengths > 16).all()
 
 
 def test_mock_engine_scores_scripted_completions():
@@ -213,6 +229,14 @@ def test_mock_engine_scores_scripted_completions():
   assert r.policy_mask.sum() == r.lengths.sum() and (r.logprobs[r.policy_mask] == -1).all()
   seqs = r.sequences()
   assert len(seqs) == 4 and all(m.sum() == n for (_, m), n in zip(seqs, r.lengths))
+  assert not r.truncated.any()
+  np.testing.assert_array_equal(r.emitted_by_forwards, r.lengths - 1)
+  # A completion longer than max_new_tokens is cut there, eos included: truncated.
+  eng = rollout.MockEngine({"math": math}, lambda ex, row, seed: "ab" * (4 + 4 * row),
+                           rollout.RolloutSettings(engine="autoregressive", max_new_tokens=12))
+  r = eng.generate(exs[:2], jax.random.key(0))
+  np.testing.assert_array_equal(r.lengths, [9, 12])
+  np.testing.assert_array_equal(r.truncated, [False, True])
 
 
 def test_entropy_stats_from_their_definition():

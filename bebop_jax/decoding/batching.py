@@ -105,6 +105,15 @@ def stop_table(stop_tokens: Sequence[int], row_stops: jax.Array | None, batch: i
   return jnp.where(row_stops, stops, -1)
 
 
+def turn_limit(lengths: jax.Array, max_new_tokens: int, max_turn_tokens: int | None
+               ) -> jax.Array:
+  """[B] the output length at which a turn starting at output length `lengths` [B] stops:
+  `max_turn_tokens` later (None: no per-turn cap), and never past `max_new_tokens`."""
+  if max_turn_tokens is None:
+    return jnp.full_like(lengths, max_new_tokens)
+  return jnp.minimum(lengths + max_turn_tokens, max_new_tokens)
+
+
 def hits_stop(tokens: jax.Array, table: jax.Array) -> jax.Array:
   """Whether each token ([B] or [B, C]) is one of its row's stop tokens (table [B, S])."""
   if tokens.ndim == 1:

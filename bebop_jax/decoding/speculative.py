@@ -67,9 +67,13 @@ class SpeculativeOutput:
   distribution; 0 where not sampled), entropy [B, N] (raw target, nats), attempted /
   accepted [B, K] (drafts at depth k verified / accepted; depth k is attempted when depths
   < k were accepted and the token it decides is emitted, i.e. not past a stop token or the
-  length limit), frontier_depths [B, P + N] (at each position n where a draft phase ran:
-  how many depths were verified there, for the self-consistency diagnostic); per call:
-  target_forwards (verification forwards after the prefill, summed over calls)."""
+  length limit), emitted_by_forwards [B] (policy tokens emitted by the verifications the
+  row took part in: each iteration's count, summed; a turn's first token comes from the
+  prefill or the reply's forward and is not counted; `tokens_per_target_forward`),
+  frontier_depths [B, P + N] (at each position n where a draft phase ran: how many depths
+  were verified there, for the self-consistency diagnostic); per call: target_forwards
+  (verification forwards after the prefill, summed over calls). A row's verifications are
+  its depth-1 attempts, attempted[:, 0]."""
   tokens: jax.Array
   lengths: jax.Array
   policy_mask: jax.Array
@@ -77,8 +81,27 @@ class SpeculativeOutput:
   entropy: jax.Array
   attempted: jax.Array
   accepted: jax.Array
+  emitted_by_forwards: jax.Array
   frontier_depths: jax.Array
   target_forwards: jax.Array
+
+
+def tokens_per_target_forward(emitted_by_forwards, target_forwards) -> float:
+  """Policy tokens emitted by target forwards per target forward, over all rows.
+
+  Args:
+    emitted_by_forwards: [B] per row, the tokens its target forwards emitted (a
+      verification emits its accepted drafts and the next token, cut at a stop token or a
+      length limit; an autoregressive step emits one token).
+    target_forwards: [B] per row, the target forwards it took part in after each turn's
+      first token (verifications, or autoregressive steps).
+  Returns:
+    sum(emitted_by_forwards) / sum(target_forwards) (0.0 when there were no forwards).
+    Each turn's first token comes from the prefill (or the reply's forward) and is in
+    neither count, so an autoregressive row gives exactly 1.
+  """
+  forwards = int(np.sum(target_forwards))
+  return float(np.sum(emitted_by_forwards) / forwards) if forwards else 0.0
 
 
 @flax.struct.dataclass
@@ -109,12 +132,6 @@ def _num_drafts(model, num_draft_steps: int | None) -> int:
     raise ValueError(f"num_draft_steps={k} is not allowed: must be in "
                      f"[1, {model.config.num_draft_steps}]")
   return k
-
-
-def _turn_limit(lengths: jax.Array, max_new_tokens: int, max_turn_tokens: int | None):
-  if max_turn_tokens is None:
-    return jnp.full_like(lengths, max_new_tokens)
-  return jnp.minimum(lengths + max_turn_tokens, max_new_tokens)
 
 
 def _emit_sampled(s: DecodeState, logits: jax.Array, key: jax.Array, active: jax.Array,
@@ -152,12 +169,14 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
       rng=sampling.row_keys(rng, b), cache=cache,
       seq=jnp.zeros((b, buf_len), jnp.int32).at[:, :p].set(prompt_tokens),
       hidden=jnp.zeros((b, buf_len, h0.shape[-1]), h0.dtype).at[:, :p].set(h0),
-      frontier=prompt_lengths - 1, limit=_turn_limit(lengths, max_new_tokens, max_turn_tokens),
+      frontier=prompt_lengths - 1,
+      limit=batching.turn_limit(lengths, max_new_tokens, max_turn_tokens),
       stop=batching.stop_table(stop_tokens, row_stops, b), done=jnp.zeros((b,), bool),
       out=SpeculativeOutput(
           tokens=zeros(jnp.int32), lengths=lengths, policy_mask=zeros(bool),
           logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
           attempted=jnp.zeros((b, k), jnp.int32), accepted=jnp.zeros((b, k), jnp.int32),
+          emitted_by_forwards=jnp.zeros((b,), jnp.int32),
           frontier_depths=jnp.zeros((b, p + max_new_tokens), jnp.int32),
           target_forwards=jnp.int32(0)))
   # x_{n+1} from p_n: the first generated token. Keys are per row (row independence).
@@ -249,6 +268,7 @@ def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
         lengths=o.lengths + count,
         attempted=o.attempted + (depth_idx < attempted_depths[:, None]),
         accepted=o.accepted + (depth_idx < accepted_depths[:, None]),
+        emitted_by_forwards=o.emitted_by_forwards + count,
         frontier_depths=o.frontier_depths.at[rows, jnp.where(active, n, buf_len)].set(
             jnp.minimum(attempted_depths, k), mode="drop"),
         target_forwards=o.target_forwards + 1)
@@ -299,8 +319,8 @@ def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params,
                   lengths=o.lengths + jnp.where(active, reply_lengths, 0))
   frontier = jnp.where(active, n + reply_lengths + 1, n)
   s = s.replace(cache=cache, seq=seq, hidden=hidden, frontier=frontier, out=out,
-                limit=jnp.where(active, _turn_limit(out.lengths, max_new_tokens,
-                                                     max_turn_tokens), s.limit))
+                limit=jnp.where(active, batching.turn_limit(out.lengths, max_new_tokens,
+                                                            max_turn_tokens), s.limit))
   # 2. The next policy token from p at the reply's last position.
   rng, key = sampling.split_rows(s.rng, 2)
   s = _emit_sampled(s.replace(rng=rng), logits[rows, jnp.where(active, reply_lengths, 0)],

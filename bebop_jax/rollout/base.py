@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.decoding import batching, sampling
+from bebop_jax.decoding import batching, sampling, speculative
 
 ENGINES = ("speculative", "autoregressive")
 VERIFICATION_MODES = ("rejection", "greedy_draft", "strict")
@@ -84,11 +84,17 @@ class Rollouts:
   sampled the token); logprobs [B, N] float32 behaviour log-probs of the sampled tokens
   under the sampling distribution (0 elsewhere); entropy [B, N] float32 raw policy entropy
   at each sampled token (nats); rewards [B] float32; turns [B]; done [B] bool (the
-  environment ended the episode); attempted / accepted [B, K] drafts verified / accepted per
-  depth; target_forwards [B] target forwards after each turn's prefill; versions [B] int32
-  the parameter version that sampled each row (every token of a row: weights change only
-  between decoding calls); policy_version: the newest of them; seconds: wall time of
-  `generate`.
+  environment ended the episode); truncated [B] bool (a length limit cut the rollout rather
+  than the policy or the environment ending it: its last policy turn reached the completion
+  budget `max_new_tokens` or the per-turn limit `max_turn_tokens` without a stop token, or
+  the environment's reply did not fit in the budget left; running out of `max_turns` is not
+  truncation); attempted / accepted [B, K] drafts verified / accepted per depth;
+  target_forwards [B] target forwards after each turn's first token (verifications, or
+  autoregressive steps; each turn's first token comes from the prefill or the reply's
+  forward); emitted_by_forwards [B] the policy tokens those forwards emitted (policy tokens
+  minus one per turn); versions [B] int32 the parameter version that sampled each row
+  (every token of a row: weights change only between decoding calls); policy_version: the
+  newest of them; seconds: wall time of `generate`.
   """
   task_ids: np.ndarray
   prompt_tokens: np.ndarray
@@ -104,6 +110,8 @@ class Rollouts:
   attempted: np.ndarray
   accepted: np.ndarray
   target_forwards: np.ndarray
+  emitted_by_forwards: np.ndarray
+  truncated: np.ndarray
   policy_version: int = 0
   seconds: float = 0.0
   versions: np.ndarray | None = None
@@ -125,11 +133,14 @@ class Rollouts:
     return self.accepted.sum(0) / np.maximum(self.attempted.sum(0), 1)
 
   def tokens_per_target_forward(self) -> float:
-    """1 + accepted drafts per verification (1.0 for autoregressive rollouts)."""
+    """Policy tokens emitted by target forwards per target forward, over all rows
+    (speculative.tokens_per_target_forward; 1.0 for autoregressive rollouts). A
+    verification emits its accepted drafts and one more token, fewer when a stop token or
+    a length limit ends the turn inside it."""
     if not self.num_draft_steps:
       return 1.0
-    verifications = self.attempted[:, 0].sum()
-    return float((verifications + self.accepted.sum()) / max(verifications, 1))
+    return speculative.tokens_per_target_forward(self.emitted_by_forwards,
+                                                 self.target_forwards)
 
   def policy_tokens(self) -> int:
     return int(self.policy_mask.sum())
@@ -201,6 +212,8 @@ def rollouts_from_episodes(episodes, prompts: Sequence[Sequence[int]],
       done=np.array([ep.done for ep in episodes], bool), attempted=attempted,
       accepted=accepted,
       target_forwards=np.array([ep.target_forwards for ep in episodes], np.int64),
+      emitted_by_forwards=np.array([ep.emitted_by_forwards for ep in episodes], np.int64),
+      truncated=np.array([ep.truncated for ep in episodes], bool),
       policy_version=policy_version, seconds=seconds)
 
 

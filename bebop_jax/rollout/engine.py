@@ -91,12 +91,6 @@ class JaxEngine(base.RolloutEngine):
           self.graphdef, params, prompts, envs, rng, mode=s.decode_mode,
           num_draft_steps=self.num_draft_steps, **common)
     else:
-      longest = max((len(x) for x in prompts), default=0) + s.max_new_tokens - 1
-      if any(t.multi_turn for t in task_objs) and longest > s.prompt_buckets[-1]:
-        raise ValueError(
-            f"autoregressive multi-turn rollouts decode each turn from the whole context, up "
-            f"to {longest} tokens here (the longest prompt + max_new_tokens - 1), but the "
-            f"largest prompt bucket is {s.prompt_buckets[-1]}; add a bucket >= {longest}")
       episodes = multi_turn.autoregressive_episodes(self.graphdef, params, prompts, envs,
                                                     rng, **common)
     return base.rollouts_from_episodes(

@@ -22,8 +22,9 @@ CompletionFn = Callable[[tasks_lib.Example, int, int], str]
 class MockEngine(base.RolloutEngine):
   """Each completion is `completion_fn(example, row, seed)` followed by eos, scored by the
   task's reward; tokens between RESULT_START and RESULT_END are environment replies (not in
-  the policy mask). Behaviour log-probs are the constant `logprob`, entropies `entropy`; no
-  drafts (K = 0)."""
+  the policy mask). A completion longer than `max_new_tokens` is cut there (its eos too)
+  and marked truncated. Behaviour log-probs are the constant `logprob`, entropies
+  `entropy`; one turn, one target forward per token after the first; no drafts (K = 0)."""
 
   def __init__(self, tasks: Mapping[str, tasks_lib.Task], completion_fn: CompletionFn,
                settings: base.RolloutSettings = base.RolloutSettings(engine="autoregressive"),
@@ -43,7 +44,8 @@ class MockEngine(base.RolloutEngine):
     prompts, episodes = [], []
     for row, ex in enumerate(examples):
       text = self.completion_fn(ex, row, seed)
-      ids = tok.encode(text, add_eos=True)[:n_max]
+      full = tok.encode(text, add_eos=True)
+      ids = full[:n_max]
       mask = ~pipeline.tool_result_mask(np.asarray(ids, np.int32), tok)
       prompts.append(tok.encode(ex.prompt, add_bos=True))
       episodes.append(multi_turn.Episode(
@@ -52,7 +54,8 @@ class MockEngine(base.RolloutEngine):
           entropy=np.where(mask, self.entropy, 0.0).tolist(),
           reward=float(self.tasks[ex.task].reward(ex, text)), turns=1, done=True,
           attempted=np.zeros(0, np.int64), accepted=np.zeros(0, np.int64),
-          target_forwards=max(len(ids) - 1, 0)))
+          target_forwards=max(len(ids) - 1, 0), emitted_by_forwards=max(len(ids) - 1, 0),
+          truncated=len(full) > n_max))
     return base.rollouts_from_episodes(
         episodes, prompts, [tasks_lib.TASK_NAMES.index(ex.task) for ex in examples],
         max_new_tokens=n_max, num_draft_steps=0, policy_version=self.policy_version,
