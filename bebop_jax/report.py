@@ -426,8 +426,9 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
             "decoding visits frontiers unevenly (every turn starts with one at its first, "
             "often hardest, token). The exact self-consistency check is in the speed table "
             "below: teacher-forced acceptance at the very frontiers visited online; a gap "
-            "there beyond sampling noise would mean a cache bug. Tokens per target forward "
-            "= 1 + accepted drafts per verification.", "",
+            "there beyond sampling noise would mean a cache bug. Tokens per target forward: "
+            "the policy tokens verifications emitted per verification (a turn's first token "
+            "comes from its prefill).", "",
             f"![acceptance by depth](plots/{os.path.basename(plots['acceptance_by_depth'])})",
             "", "## Speed against autoregressive decoding", "",
             "| batch | prompts | mode | AR tok/s | speculative tok/s | speedup | tok/fwd | "

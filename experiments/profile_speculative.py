@@ -92,11 +92,16 @@ def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int) -
     full, fixed = _best(run(kind, max_new, stops), rounds), _best(run(kind, 1, stops), rounds)
     count = lambda outs: (sum(int(np.asarray(o.lengths).sum()) for o in outs),
                           sum(int(o.target_forwards) for o in outs))
-    (tokens, forwards), (tokens_1, forwards_1) = (count(run(kind, max_new, stops)()),
-                                                  count(run(kind, 1, stops)()))
-    return {"seconds": full, "fixed_seconds": fixed, "tokens": tokens,
-            "target_forwards": forwards, "tokens_after_fixed": tokens - tokens_1,
-            "forwards_after_fixed": forwards - forwards_1}
+    outs = run(kind, max_new, stops)()
+    (tokens, forwards), (tokens_1, forwards_1) = count(outs), count(run(kind, 1, stops)())
+    result = {"seconds": full, "fixed_seconds": fixed, "tokens": tokens,
+              "target_forwards": forwards, "tokens_after_fixed": tokens - tokens_1,
+              "forwards_after_fixed": forwards - forwards_1}
+    if kind == "speculative":
+      result["tokens_per_target_forward"] = speculative.tokens_per_target_forward(
+          np.concatenate([np.asarray(o.emitted_by_forwards) for o in outs]),
+          np.concatenate([np.asarray(o.attempted)[:, 0] for o in outs]))
+    return result
 
   forced = {kind: measure(kind, ()) for kind in ("autoregressive", "speculative")}
   stopping = {kind: measure(kind, (tok.eos_id, tok.call_end_id))
@@ -106,11 +111,10 @@ def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int) -
   iteration = after(forced["speculative"]) / max(
       forced["speculative"]["forwards_after_fixed"], 1)
   ar, sp = stopping["autoregressive"], stopping["speculative"]
-  tokens_per_forward = sp["tokens_after_fixed"] / max(sp["forwards_after_fixed"], 1)
   rate = lambda m, key: m[key] / max(after(m), 1e-9)
   return {"forced": forced, "stopping": stopping, "ar_step_s": ar_step,
           "iteration_s": iteration, "iteration_in_ar_steps": iteration / ar_step,
-          "tokens_per_target_forward": tokens_per_forward,
+          "tokens_per_target_forward": sp["tokens_per_target_forward"],
           "decode_phase_ratio": (rate(sp, "tokens_after_fixed")
                                  / rate(ar, "tokens_after_fixed")),
           "end_to_end_ratio": (ar["seconds"] / ar["tokens"]) / (sp["seconds"] / sp["tokens"]),

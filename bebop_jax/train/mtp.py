@@ -237,8 +237,9 @@ def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float
 def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examples,
                       task_objs, *, modes: Sequence[str]) -> dict[str, Any]:
   """Speculative decoding on held-out prompts at mtp.temperature, per mode: per-depth
-  acceptance, tokens per target forward (per row: 1 + accepted drafts per verification),
-  pass@1, overall and per task, and seconds."""
+  acceptance, tokens per target forward (Rollouts.tokens_per_target_forward: the policy
+  tokens verifications emitted per verification), pass@1, overall and per task, and
+  seconds."""
   results = {}
   for mode in modes:
     start = time.perf_counter()
