@@ -33,28 +33,37 @@ def np_advantages(rewards, group_size, mode):
   return out
 
 
+NORM = 2 * B * T  # seq-mean-token-sum-norm's constant (rows per update x generation budget)
+
+
 def np_policy_loss(lp, behaviour, adv, mask, *, clip_low, clip_high, aggregation,
-                   proximal=None, is_cap=None, is_mode="cap", ref=None, kl_coef=0.0):
+                   proximal=None, is_cap=None, is_mode="cap", ref=None, kl_coef=0.0,
+                   norm=NORM):
   """(loss, d loss / d lp) token by token, in float64."""
   b, t = lp.shape
   loss_tok = np.zeros((b, t))
   grad_tok = np.zeros((b, t))
+  fin = np.isfinite
   for i, j in itertools.product(range(b), range(t)):
     anchor = behaviour[i, j] if proximal is None else proximal[i, j]
-    rho = np.exp(lp[i, j] - anchor)
-    a = adv[i]
-    pg1 = rho * a
-    pg2 = min(max(rho, 1 - clip_low), 1 + clip_high) * a
-    if pg1 <= pg2:   # the unclipped branch is the min: d/dlp (-rho a) = -rho a
-      val, grad = -pg1, -rho * a
-    else:            # the clipped branch is constant in lp when it is the min
-      val, grad = -pg2, 0.0
-    if proximal is not None:
-      w = np.exp(proximal[i, j] - behaviour[i, j])
-      if is_cap is not None:
-        w = min(w, is_cap) if is_mode == "cap" else (0.0 if w > is_cap else w)
-      val, grad = val * w, grad * w
-    if ref is not None and kl_coef:
+    val = grad = 0.0
+    # The policy-gradient term only where every log-prob it uses is finite (a token outside
+    # a policy's top-k/top-p support has log-prob -inf and contributes nothing).
+    if mask[i, j] and fin(lp[i, j]) and fin(anchor) and fin(behaviour[i, j]):
+      rho = np.exp(lp[i, j] - anchor)
+      a = adv[i]
+      pg1 = rho * a
+      pg2 = min(max(rho, 1 - clip_low), 1 + clip_high) * a
+      if pg1 <= pg2:   # the unclipped branch is the min: d/dlp (-rho a) = -rho a
+        val, grad = -pg1, -rho * a
+      else:            # the clipped branch is constant in lp when it is the min
+        val, grad = -pg2, 0.0
+      if proximal is not None:
+        w = np.exp(proximal[i, j] - behaviour[i, j])
+        if is_cap is not None:
+          w = min(w, is_cap) if is_mode == "cap" else (0.0 if w > is_cap else w)
+        val, grad = val * w, grad * w
+    if ref is not None and kl_coef and mask[i, j] and fin(lp[i, j]) and fin(ref[i, j]):
       d = ref[i, j] - lp[i, j]
       val += kl_coef * (np.exp(d) - d - 1)
       grad += kl_coef * (-np.exp(d) + 1)
@@ -71,7 +80,7 @@ def np_policy_loss(lp, behaviour, adv, mask, *, clip_low, clip_high, aggregation
       elif aggregation == "seq-mean-token-mean":
         weights[i, j] = 1 / m[i].sum() / len(rows)
       else:
-        weights[i, j] = 1 / (len(rows) * t)
+        weights[i, j] = 1 / norm
   return (loss_tok * weights).sum(), grad_tok * weights
 
 
@@ -140,7 +149,7 @@ def test_policy_loss_and_gradient_equal_numpy(aggregation, case, mask_dtype):
                           aggregation=aggregation, proximal_logprobs=f32(kw["proximal"]),
                           is_cap=kw["is_cap"], is_mode=kw["is_mode"],
                           ref_logprobs=f32(kw["ref"]),
-                          kl_coef=kw["kl_coef"], **clip)
+                          kl_coef=kw["kl_coef"], norm=NORM, **clip)
 
   (got_loss, metrics), got_grad = jax.value_and_grad(loss, has_aux=True)(f32(lp))
   np.testing.assert_allclose(float(got_loss), want_loss, rtol=1e-5, atol=1e-7)
@@ -200,3 +209,125 @@ def test_policy_loss_rejects_bad_arguments(bad):
   x = jnp.zeros((2, 3))
   with pytest.raises(ValueError, match=next(iter(bad))):
     rl.policy_loss(x, x, jnp.zeros(2), x > -1, **bad)
+
+
+# ------------------------------------------------------- top-k / top-p: -inf log-probs
+
+
+def np_truncated_logprobs(logits, top_k=0, top_p=1.0):
+  """Log-probs [..., V] of softmax(logits) restricted to the top-k entries, then to the
+  smallest prefix (by probability) whose mass reaches top_p; -inf outside (float64)."""
+  x = np.array(logits, np.float64)
+  out = np.full_like(x, -np.inf)
+  for idx in np.ndindex(x.shape[:-1]):
+    v = x[idx]
+    order = np.argsort(-v)
+    keep = order[:top_k] if top_k else order
+    p = np.exp(v[keep] - v[keep].max())
+    p /= p.sum()
+    mass = 0.0
+    kept = []
+    for tok, q in zip(keep, p):
+      if mass >= top_p:
+        break
+      kept.append(tok)
+      mass += q
+    z = np.log(np.sum(np.exp(v[kept] - v[kept].max()))) + v[kept].max()
+    out[idx][kept] = v[kept] - z
+  return out
+
+
+def _stale_batch(seed=0, b=4, t=6, v=7):
+  """Logits of the current, proximal and reference policies, and tokens sampled from an
+  older behaviour policy: many fall outside the others' top-k / top-p sets."""
+  rng = np.random.default_rng(seed)
+  cur = rng.normal(0, 2, (b, t, v))
+  prox = cur + rng.normal(0, 1.0, (b, t, v))
+  ref = cur + rng.normal(0, 1.0, (b, t, v))
+  old = rng.normal(0, 2, (b, t, v))
+  p_old = np.exp(old) / np.exp(old).sum(-1, keepdims=True)
+  tokens = np.array([[rng.choice(v, p=p_old[i, j]) for j in range(t)] for i in range(b)])
+  behaviour = np.take_along_axis(np.log(p_old), tokens[..., None], -1)[..., 0]
+  mask = rng.uniform(size=(b, t)) < 0.8
+  mask[-1] = False  # an all-padding row
+  adv = rng.normal(0, 1, b)
+  return cur, prox, ref, tokens, behaviour, mask, adv
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=2), dict(top_p=0.9)], ids=str)
+@pytest.mark.parametrize("path", ["plain", "decoupled", "kl", "decoupled_kl"])
+def test_top_k_top_p_loss_gradient_and_metrics_are_finite_and_equal_numpy(truncation, path):
+  """Tokens outside the current, proximal or reference policy's top-k/top-p set have
+  log-prob -inf there; the loss, its gradient with respect to the current logits and every
+  metric stay finite and equal numpy written from the module's definition."""
+  from bebop_jax.decoding import sampling  # pylint: disable=g-import-not-at-top
+  cur, prox, ref, tokens, behaviour, mask, adv = _stale_batch()
+  params = sampling.SamplingParams(1.0, truncation.get("top_k", 0), truncation.get("top_p", 1.0))
+  take = lambda logp: np.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+  np_lp = lambda logits: np_truncated_logprobs(logits, **truncation)
+  lp_cur = take(np_lp(cur))
+  use_prox, use_ref = "decoupled" in path, "kl" in path
+  prox_lp = take(np_lp(prox)) if use_prox else None
+  ref_lp = take(np_lp(ref)) if use_ref else None
+  m = mask.astype(bool)
+  # The case is what it claims: masked tokens outside each policy's set.
+  assert (~np.isfinite(lp_cur[m])).sum() >= 2
+  if use_prox:
+    assert (~np.isfinite(prox_lp[m])).sum() >= 2
+  kw = dict(clip_low=0.2, clip_high=0.28, aggregation="token-mean", is_cap=2.0,
+            kl_coef=0.1 if use_ref else 0.0)
+  want_loss, want_dlp = np_policy_loss(lp_cur, behaviour, adv, mask, proximal=prox_lp,
+                                       ref=ref_lp, **{k: v for k, v in kw.items()
+                                                      if k != "is_cap"},
+                                       is_cap=kw["is_cap"] if use_prox else None)
+  # d lp(token) / d logits = onehot - p over the kept set (0 outside, and 0 for a token
+  # outside the set, whose d loss / d lp is 0).
+  p_cur = np.exp(np_lp(cur))
+  onehot = np.eye(cur.shape[-1])[tokens]
+  want_grad = want_dlp[..., None] * (onehot - p_cur) * np.isfinite(np_lp(cur))
+  f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+  tok = jnp.asarray(tokens)
+
+  def loss(logits):
+    lp = jnp.take_along_axis(sampling.sampling_logprobs(logits, params), tok[..., None],
+                             axis=-1)[..., 0]
+    return rl.policy_loss(lp, f32(behaviour), f32(adv), jnp.asarray(mask),
+                          proximal_logprobs=f32(prox_lp), ref_logprobs=f32(ref_lp),
+                          is_cap=kw["is_cap"] if use_prox else None,
+                          clip_low=kw["clip_low"], clip_high=kw["clip_high"],
+                          aggregation=kw["aggregation"], kl_coef=kw["kl_coef"])
+
+  (got_loss, metrics), got_grad = jax.value_and_grad(loss, has_aux=True)(f32(cur))
+  assert np.isfinite(float(got_loss)) and np.all(np.isfinite(np.asarray(got_grad)))
+  assert all(np.isfinite(float(v)) for v in metrics.values()), metrics
+  np.testing.assert_allclose(float(got_loss), want_loss, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-4, atol=1e-6)
+  # Metrics over the tokens each term covers.
+  anchor = prox_lp if use_prox else behaviour
+  s = m & np.isfinite(lp_cur) & np.isfinite(anchor)
+  diff = np.abs(lp_cur - behaviour)[s]
+  d = lp_cur[s] - behaviour[s]
+  np.testing.assert_allclose(float(metrics["logprob_diff_mean"]), diff.mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["logprob_diff_max"]), diff.max(), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["kl_behaviour"]), (np.exp(d) - d - 1).mean(),
+                             rtol=1e-4)
+  np.testing.assert_allclose(float(metrics["ratio_mean"]),
+                             np.exp(lp_cur[s] - anchor[s]).mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["outside_support_frac"]), 1 - s.sum() / m.sum(),
+                             rtol=1e-6)
+  assert float(metrics["tokens"]) == m.sum()
+  if use_prox:
+    w = np.exp(prox_lp[s] - behaviour[s])
+    np.testing.assert_allclose(float(metrics["is_weight_mean"]), w.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["is_weight_max"]), w.max(), rtol=1e-5)
+  if use_ref:
+    both = m & np.isfinite(lp_cur) & np.isfinite(ref_lp)
+    assert 2 <= both.sum() < (m & np.isfinite(lp_cur)).sum()  # some outside the reference's
+    d = ref_lp[both] - lp_cur[both]
+    np.testing.assert_allclose(float(metrics["kl"]), (np.exp(d) - d - 1).mean(), rtol=1e-4)
+
+
+def test_an_all_padding_batch_gives_zero_metrics_not_infinities():
+  x = jnp.zeros((2, 3))
+  _, metrics = rl.policy_loss(x, x, jnp.ones(2), x > 1, proximal_logprobs=x, is_cap=2.0)
+  assert all(float(v) == 0.0 for v in metrics.values()), metrics

@@ -12,7 +12,7 @@ bebop_jax/bench_rl.py.
 
 from bebop_jax.rl.algorithms import (ADVANTAGE_MODES, AGGREGATIONS, advantages,
                                      aggregation_weights, dynamic_sampling_mask, k3_kl,
-                                     policy_loss)
+                                     overlong_penalty, policy_loss, OVERLONG_MODES)
 
 __all__ = ["ADVANTAGE_MODES", "AGGREGATIONS", "advantages", "aggregation_weights",
-           "dynamic_sampling_mask", "k3_kl", "policy_loss"]
+           "dynamic_sampling_mask", "k3_kl", "overlong_penalty", "policy_loss", "OVERLONG_MODES"]
