@@ -64,6 +64,45 @@ class MetricsWriter:
     self._tb.close()
 
 
+MAX_SUFFIX = "_max"   # a metric that is a maximum: combined with max
+COUNT_KEY = "tokens"  # a count (combined with sum) and the weight of the per-token means
+
+
+def combine(parts: Mapping[str, Any], axis: int = 0) -> dict[str, Any]:
+  """The metrics of several micro-batches or updates, stacked along `axis`, as one set:
+  keys ending in MAX_SUFFIX take the maximum; COUNT_KEY is summed; with COUNT_KEY present,
+  every other key but "loss" is a per-token mean weighted by its part's count (an empty part
+  weighs nothing); without it, and for "loss" (each part's loss already carries its share
+  of the batch's weights), the plain mean. Works on numpy and jax arrays."""
+  xp = _array_module(parts)
+  counts = parts.get(COUNT_KEY)
+  out = {}
+  for key, value in parts.items():
+    if key.endswith(MAX_SUFFIX):
+      out[key] = xp.max(value, axis=axis)
+    elif key == COUNT_KEY:
+      out[key] = xp.sum(value, axis=axis)
+    elif counts is not None and key != "loss":
+      total = xp.sum(counts, axis=axis)
+      out[key] = xp.sum(value * counts, axis=axis) / xp.maximum(total, 1.0)
+    else:
+      out[key] = xp.mean(value, axis=axis)
+  return out
+
+
+def combine_list(parts: list[Mapping[str, Any]]) -> dict[str, float]:
+  """`combine` over a list of host metric dicts (the keys of the first), as floats."""
+  stacked = {k: np.asarray([float(p[k]) for p in parts]) for k in parts[0]}
+  return {k: float(v) for k, v in combine(stacked).items()}
+
+
+def _array_module(tree: Mapping[str, Any]):
+  if any(not isinstance(v, (np.ndarray, np.generic, float, int)) for v in tree.values()):
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    return jnp
+  return np
+
+
 def read_metrics(workdir: str, stage: str | None = None) -> list[dict[str, Any]]:
   """All records of metrics.jsonl (of one stage when given)."""
   path = os.path.join(workdir, "metrics.jsonl")

@@ -3,7 +3,9 @@
 The step is a pure function of (trainable, frozen, opt_state, step, batch), jitted with
 explicit in/out shardings, the trainable state and optimizer state donated, compiled ahead of
 time before step 0 with its compile time and memory analysis logged. Gradient accumulation
-scans over microbatches inside the step, so one call is one optimizer update.
+scans over microbatches inside the step, so one call is one optimizer update; the
+microbatches' metrics are combined by metrics.combine (maxima stay maxima, per-token means
+are weighted by each microbatch's token count when the loss reports one).
 """
 
 from __future__ import annotations
@@ -62,16 +64,16 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
           lambda x: x.reshape((grad_accum_steps, x.shape[0] // grad_accum_steps) + x.shape[1:]),
           batch)
       first = jax.tree.map(lambda x: x[0], micro)
-      shapes = jax.eval_shape(grad_fn, trainable, frozen, first)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(grad_fn, trainable, frozen, first)[1])
 
-      def body(carry, mb):
+      def body(grads, mb):
         (_, m), g = grad_fn(trainable, frozen, mb)
-        return _tree_add(carry, ((jnp.zeros(()), m), g)), None
+        return _tree_add(grads, g), m
 
-      (_, metrics), grads = jax.lax.scan(body, zeros, micro)[0]
+      grads, per_micro = jax.lax.scan(body, zeros, micro)
       grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
-      metrics = jax.tree.map(lambda m: m / grad_accum_steps, metrics)
+      metrics = metrics_lib.combine(per_micro)
     updates, opt_state = tx.update(grads, opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
     metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(step))
