@@ -144,6 +144,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.epochs = 1                  # passes of learner updates over each batch ...
   c.rl.minibatches = 1             # ... each pass split into this many updates
   c.rl.packing = True              # pack each update's rollouts into full-length rows
+  # Completions cut by the length budget (no end of sequence): "keep" trains on them as
+  # sampled; "mask" leaves them out of the loss (DAPO's overlong filtering); "penalty" adds
+  # DAPO's soft overlong punishment, 0 up to max_new_tokens - overlong_buffer tokens, then
+  # falling linearly to -1 at the budget, to every rollout's reward.
+  c.rl.overlong = "mask"
+  c.rl.overlong_buffer = 32        # "penalty": the punished tail of the budget, in tokens
   c.rl.rollout = ml_collections.ConfigDict(dict(
       engine="speculative",        # or "autoregressive" (bebop_jax.rollout.ENGINES)
       mode="rejection",            # speculative verification (bebop_jax.rollout.VERIFICATION_MODES)
@@ -492,6 +498,11 @@ def _validate_placement(config: ml_collections.ConfigDict, data_parallel: int) -
           "must be an int >= 0 (0 = max_staleness + 1)")
   if not isinstance(a.interrupt, bool):
     _fail("rl.asynchronous.interrupt", a.interrupt, "must be True or False")
+  if a.enabled and a.interrupt and config.rl.rollout.batch_size < config.rl.group_size:
+    _fail("rl.rollout.batch_size", config.rl.rollout.batch_size,
+          f"must be >= rl.group_size={config.rl.group_size} with rl.asynchronous.interrupt: "
+          "weights change between decoding calls, and a call must hold whole groups so that "
+          "one version samples every rollout of a prompt")
   if a.off_policy not in ("decoupled", "none"):
     _fail("rl.asynchronous.off_policy", a.off_policy, "one of ('decoupled', 'none')")
   if not isinstance(a.is_cap, (int, float)) or a.is_cap <= 0:
@@ -531,6 +542,13 @@ def _validate_rl(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     _fail("rl.dynamic_sampling", c.dynamic_sampling, "must be True or False")
   if not isinstance(c.packing, bool):
     _fail("rl.packing", c.packing, "must be True or False")
+  if c.overlong not in rl.OVERLONG_MODES:
+    _fail("rl.overlong", c.overlong, f"one of {rl.OVERLONG_MODES}")
+  if not isinstance(c.overlong_buffer, int) or c.overlong_buffer < 1 or (
+      c.overlong == "penalty" and c.overlong_buffer > c.rollout.max_new_tokens):
+    _fail("rl.overlong_buffer", c.overlong_buffer,
+          f"an int in [1, rl.rollout.max_new_tokens={c.rollout.max_new_tokens}] (the "
+          "punished tail of the budget with rl.overlong='penalty')")
   r = c.rollout
   if r.engine not in rollout.ENGINES:
     _fail("rl.rollout.engine", r.engine, f"one of {rollout.ENGINES}")

@@ -353,8 +353,8 @@ def test_a_crashing_rollout_thread_loses_and_repeats_no_batch(rl_source, sync_sp
   calls = {"n": 0}
   generate = rollout.JaxEngine.generate
 
-  def flaky(self, examples, rng, weights=None):
-    out = generate(self, examples, rng, weights=weights)
+  def flaky(self, examples, rng, weights=None, **kwargs):
+    out = generate(self, examples, rng, weights=weights, **kwargs)
     if threading.current_thread().name == "rollout-worker":
       calls["n"] += 1
       if calls["n"] == 2:

@@ -20,7 +20,7 @@ ROW_STEP, so a run compiles a handful of shapes and nothing in steady state. Upd
   advantages          f32    the rollout's advantage on each of its positions
   token_weights       f32    aggregation weights (rl.aggregation_weights over the
                              minibatch's rollouts, before packing, times the accumulation
-                             steps)
+                             steps; Dr. GRPO's constant is `drgrpo_norm`)
   ref_logprobs        f32    reference policy log-probs, only with a KL term
   proximal_logprobs   f32    the learner's log-probs before the step's updates, only for a
                              stale batch under the decoupled objective (rl.asynchronous)
@@ -44,6 +44,7 @@ from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.rl import algorithms
 from bebop_jax.rollout import Rollouts
 from bebop_jax.train import flops as flops_lib
+from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
 
@@ -73,11 +74,22 @@ def learner_batch(rollouts: Rollouts, advantages: np.ndarray, seq_len: int,
           "advantages": np.asarray(advantages, np.float32).reshape(b)}
 
 
+def drgrpo_norm(rl: Any) -> float:
+  """Dr. GRPO's constant normaliser (seq-mean-token-sum-norm): the configured rows per
+  update (prompts_per_batch x group_size / minibatches) x the generation budget
+  (rollout.max_new_tokens). The same in every step, whatever the padded width of the
+  step's batch or the rows dynamic sampling drops."""
+  return float(rl.prompts_per_batch * rl.group_size // rl.minibatches *
+               rl.rollout.max_new_tokens)
+
+
 def with_token_weights(batch: Mapping[str, np.ndarray], aggregation: str,
-                       grad_accum_steps: int = 1) -> dict[str, np.ndarray]:
-  """`batch` plus its token_weights: the aggregation over all of its rows, scaled by the
-  accumulation steps (the train step averages microbatch gradients)."""
-  w = np.asarray(algorithms.aggregation_weights(batch["mask"], aggregation))
+                       grad_accum_steps: int = 1, norm: float | None = None
+                       ) -> dict[str, np.ndarray]:
+  """`batch` plus its token_weights: the aggregation over all of its rows (`norm`:
+  seq-mean-token-sum-norm's constant), scaled by the accumulation steps (the train step
+  averages microbatch gradients)."""
+  w = np.asarray(algorithms.aggregation_weights(batch["mask"], aggregation, norm))
   return dict(batch, token_weights=(w * grad_accum_steps).astype(np.float32))
 
 
@@ -109,7 +121,8 @@ def update_batches(rl: Any, full: Mapping[str, np.ndarray], lengths: np.ndarray,
   positions, as many as the smallest of `rows_buckets` that holds every minibatch."""
   size = full["tokens"].shape[0] // rl.minibatches
   parts = [with_token_weights({k: v[mb * size:(mb + 1) * size] for k, v in full.items()},
-                              rl.aggregation, rl.train.grad_accum_steps)
+                              rl.aggregation, rl.train.grad_accum_steps,
+                              drgrpo_norm(rl))
            for mb in range(rl.minibatches)]
   sizes = [lengths[mb * size:(mb + 1) * size] for mb in range(rl.minibatches)]
   if rl.packing:
@@ -191,6 +204,20 @@ def mtp_batch(batch: Mapping[str, np.ndarray], rollouts: Rollouts) -> dict[str, 
           "loss_mask": loss_mask}
 
 
+def logprob_differences(batch: Mapping[str, np.ndarray], rows: np.ndarray, name: str
+                        ) -> dict[str, float]:
+  """{name}_logprob_diff_{mean,max}: |proximal - behaviour| over the loss tokens of `rows`
+  whose proximal log-prob is finite (the learner's parameters before the step's updates
+  against the sampler's); nothing when no such token."""
+  m = (batch["mask"] > 0) & rows[:, None] & np.isfinite(batch["proximal_logprobs"])
+  if not m.any():
+    return {}
+  d = np.abs(batch["proximal_logprobs"][m].astype(np.float64) -
+             batch["behaviour_logprobs"][m])
+  return {f"{name}_logprob_diff_mean": float(d.mean()),
+          f"{name}_logprob_diff_max": float(d.max())}
+
+
 IS_WEIGHT_QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -220,10 +247,18 @@ def length_buckets(seq_len: int) -> tuple[int, ...]:
   return tuple(range(LENGTH_STEP, seq_len, LENGTH_STEP)) + (seq_len,)
 
 
-def row_buckets(rows: int, data_parallel: int = 1) -> tuple[int, ...]:
-  """The update batch row counts for minibatches of `rows` rollouts: multiples of ROW_STEP
-  (rounded up to a multiple of `data_parallel`) below `rows`, and `rows`."""
-  step = data_parallel * -(-ROW_STEP // data_parallel)
+def row_buckets(rows: int, data_parallel: int = 1, grad_accum_steps: int = 1
+                ) -> tuple[int, ...]:
+  """The update batch row counts for minibatches of `rows` rollouts: multiples of a step
+  below `rows`, and `rows`. Every count splits into `grad_accum_steps` microbatches that
+  split over `data_parallel` devices, so the step is the smallest multiple of
+  data_parallel x grad_accum_steps that is >= ROW_STEP (`rows` itself is such a multiple:
+  config validation checks it)."""
+  unit = data_parallel * grad_accum_steps
+  if rows % unit:
+    raise ValueError(f"an update of {rows} rollouts does not split into {grad_accum_steps} "
+                     f"microbatches over {data_parallel} data-parallel devices")
+  step = unit * -(-ROW_STEP // unit)
   return tuple(range(step, rows, step)) + (rows,)
 
 
@@ -254,7 +289,8 @@ class Learner:
     batch_axes = sharding.logical_to_spec(("batch",), rules, mesh)[0] or ()
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     self.row_buckets = row_buckets(self.update_rows,
-                                   int(np.prod([mesh.shape[a] for a in batch_axes])))
+                                   int(np.prod([mesh.shape[a] for a in batch_axes])),
+                                   rl.train.grad_accum_steps)
     self.sampling = sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k,
                                             rl.rollout.top_p)
     model = nnx.merge(graphdef, params)
@@ -374,35 +410,64 @@ class Learner:
 
   # -------------------------------------------------------------- one RL step
 
-  def update(self, rollouts: Rollouts, step: int, stale: bool = False) -> dict[str, float]:
+  def update(self, rollouts: Rollouts, step: int, staleness: np.ndarray | None = None
+             ) -> dict[str, float]:
     """The policy updates (and the drafter's, per strategy) of RL step `step` (0-based) on
     one batch of `rows` rollouts in groups; returns the step's learner metrics.
 
-    `stale`: some rows were sampled by older parameters than the learner's; under the
-    decoupled objective the proximal log-probs are then recomputed (one forward) and anchor
-    the clip, with the behaviour weight exp(proximal - behaviour) capped or masked (a fresh
+    `staleness` [rows]: how many versions older than the learner's parameters the version
+    that sampled each row is (None: all 0, a fresh batch). On a stale batch under the
+    decoupled objective the proximal log-probs are recomputed (one forward) and anchor the
+    clip, with the behaviour weight exp(proximal - behaviour) capped or masked (a fresh
     batch needs none: its proximal policy is its behaviour policy).
+
+    Truncated completions (`rollouts.truncated`: cut by the length budget) follow
+    rl.overlong: "keep" trains on them as they are, "mask" leaves them out of the loss
+    (DAPO's overlong filtering; they still count in their group's reward statistics), and
+    "penalty" adds DAPO's soft overlong punishment to every reward (overlong_penalty).
+
+    Log-prob differences: on rows sampled by the learner's current parameters,
+    sampler_learner_logprob_diff_{mean,max} compare the sampler's log-probs with the
+    learner's recomputation (numerics only: they should be ~0); on stale rows the same
+    difference is policy drift plus numerics and is logged as
+    policy_drift_logprob_diff_{mean,max}.
     """
     rl = self.rl
     start = time.perf_counter()
     if rollouts.num_rows != self.rows:
       raise ValueError(f"{rollouts.num_rows} rollouts; the learner was built for "
                        f"rl.prompts_per_batch x rl.group_size = {self.rows}")
-    adv = np.asarray(algorithms.advantages(rollouts.rewards, rl.group_size, rl.advantage))
-    keep = (np.asarray(algorithms.dynamic_sampling_mask(rollouts.rewards, rl.group_size))
-            if rl.dynamic_sampling else None)
+    staleness = (np.zeros(self.rows, np.int64) if staleness is None
+                 else np.asarray(staleness, np.int64))
+    stale_rows = staleness > 0
+    rewards = np.asarray(rollouts.rewards, np.float32)
+    truncated = np.asarray(rollouts.truncated, bool)
+    metrics: dict[str, float] = {}
+    if rl.overlong == "penalty":
+      penalty = np.asarray(algorithms.overlong_penalty(rollouts.lengths, rl.rollout.max_new_tokens,
+                                 rl.overlong_buffer))
+      rewards = rewards + penalty
+      metrics["overlong_penalty_mean"] = float(penalty.mean())
+    adv = np.asarray(algorithms.advantages(rewards, rl.group_size, rl.advantage))
+    keep = np.ones(self.rows, bool)
+    if rl.dynamic_sampling:
+      keep &= np.asarray(algorithms.dynamic_sampling_mask(rewards, rl.group_size))
+    if rl.overlong == "mask":
+      keep &= ~truncated
     lengths = rollouts.prompt_lengths + rollouts.lengths
     full = learner_batch(rollouts, adv, self.bucket(lengths), keep)
     if self.ref_fn is not None:
       full["ref_logprobs"] = np.asarray(self.ref_fn(self.ref_trunk, self.mtp, full["tokens"],
                                                     full["segment_ids"]))
-    weight_stats = {}
     kind = "policy"
-    if stale and self.decoupled:
+    if stale_rows.any() and self.decoupled:
       kind = "policy_proximal"
       full["proximal_logprobs"] = np.asarray(self.logprobs_fn(
           self.trunk, self.mtp, full["tokens"], full["segment_ids"]))
-      weight_stats = behaviour_weight_stats(full, self.is_cap)
+      metrics.update(behaviour_weight_stats(full, self.is_cap))
+      # The proximal log-probs are the learner's before this step's updates.
+      metrics.update(logprob_differences(full, ~stale_rows, "sampler_learner"))
+      metrics.update(logprob_differences(full, stale_rows, "policy_drift"))
     parts = update_batches(rl, full, lengths, seq_len=self.seq_len,
                            rows_buckets=self.row_buckets)
     rows, length = parts[0]["tokens"].shape
@@ -415,13 +480,16 @@ class Learner:
             self.trunk, self.mtp, self.trunk_opt, self.updates, part)
         results.append(m)
     results = jax.device_get(results)
-    metrics = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
-    # The first update's log-probs are under the sampling parameters: the sampler-learner
-    # difference, measured for free.
-    metrics["sampler_learner_logprob_diff_mean"] = float(results[0]["logprob_diff_mean"])
-    metrics["sampler_learner_logprob_diff_max"] = float(results[0]["logprob_diff_max"])
-    metrics.update(weight_stats)
-    metrics["dropped_frac"] = float(1 - keep.mean()) if keep is not None else 0.0
+    if kind == "policy":
+      # The first update's log-probs are under the parameters that sampled a fresh batch:
+      # the sampler-learner difference, measured for free (on a stale batch without the
+      # decoupled objective, drift since sampling as well).
+      name = "policy_drift" if stale_rows.any() else "sampler_learner"
+      metrics[f"{name}_logprob_diff_mean"] = float(results[0]["logprob_diff_mean"])
+      metrics[f"{name}_logprob_diff_max"] = float(results[0]["logprob_diff_max"])
+    metrics.update(metrics_lib.combine_list(results))
+    metrics["dropped_frac"] = float(1 - keep.mean())
+    metrics["truncated_frac"] = float(truncated.mean())
     metrics["learner_length"] = length
     metrics["learner_rows"] = rows
     # The fraction of the update batches' positions that hold a token.
@@ -456,10 +524,13 @@ class Learner:
       for i in range(self.rl.mtp.every):
         length = self.bucket(self.buffer["segment_ids"][i].sum(axis=1))
         batches.append({k: v[i, :, :length] for k, v in self.buffer.items()})
+    results = []
     for b in batches:
       compiled, batch_sh = self._step("mtp", b["tokens"].shape[1])
       b = {k: jax.device_put(v, batch_sh[k]) for k, v in b.items()}
       self.mtp, self.mtp_opt, self.mtp_updates, m = compiled.fn(
           self.mtp, self.trunk, self.mtp_opt, self.mtp_updates, b)
-    return {f"mtp/{k}": float(v) for k, v in jax.device_get(m).items()}
+      results.append(m)
+    # Every update's metrics (a periodic update trains on every buffered batch).
+    return {f"mtp/{k}": v for k, v in metrics_lib.combine_list(jax.device_get(results)).items()}
 

@@ -110,11 +110,13 @@ def rollout_settings(config: ml_collections.ConfigDict, **overrides) -> rollout.
 def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task_objs
              ) -> dict[str, Any]:
   """Held-out evaluation at the rollout temperature, speculative, in every rl.eval.modes.
-  Every mode samples the policy exactly, so pass@1 pools them: per prompt the mean reward
-  over modes, per task the mean over prompts and its standard error. The same key every
-  time, so evaluations along a run are paired."""
+  Every mode samples the policy exactly, so pass@1 pools them: per prompt the fraction of
+  modes whose sample solves it (tasks.solved: reward 1; for code every test passes), per
+  task the mean over prompts and its standard error; `mean_reward` likewise pools the
+  rewards (for code, the fraction of test cases passed). The same key every time, so
+  evaluations along a run are paired."""
   start = time.perf_counter()
-  per_mode, rewards = {}, {}
+  per_mode, solved, rewards = {}, {}, {}
   for mode in config.rl.eval.modes:
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
         config, engine="speculative", mode=mode, batch_size=config.eval.batch_size))
@@ -123,13 +125,16 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
     per_mode[mode] = {"acceptance": both.acceptance().tolist(),
                       "tokens_per_target_forward": both.tokens_per_target_forward(),
                       "entropy": both.mean_entropy(),
-                      "pass_at_1": evaluation.pass_at_1(by_task)}
+                      "pass_at_1": evaluation.pass_at_1(by_task),
+                      "mean_reward": evaluation.mean_reward(by_task)}
     for name, r in by_task.items():
+      solved.setdefault(name, []).append(tasks_lib.solved(r.rewards).astype(float))
       rewards.setdefault(name, []).append(r.rewards)
-  per_prompt = {name: np.mean(rs, axis=0) for name, rs in rewards.items()}
+  per_prompt = {name: np.mean(s, axis=0) for name, s in solved.items()}
   return {"pass_at_1": {n: float(v.mean()) for n, v in per_prompt.items()},
           "pass_at_1_se": {n: evaluation.standard_error(v) for n, v in per_prompt.items()},
-          "per_prompt_reward": {n: v.tolist() for n, v in per_prompt.items()},
+          "per_prompt_pass": {n: v.tolist() for n, v in per_prompt.items()},
+          "mean_reward": {n: float(np.mean(r)) for n, r in rewards.items()},
           "modes": per_mode, "seconds": time.perf_counter() - start}
 
 
@@ -137,23 +142,23 @@ def paired_difference(before: dict, after: dict) -> dict[str, dict[str, float]]:
   """Per task: after - before pass@1 and the standard error of that difference over the
   same prompts (paired)."""
   out = {}
-  for name, b in before["per_prompt_reward"].items():
-    d = np.asarray(after["per_prompt_reward"][name]) - np.asarray(b)
+  for name, b in before["per_prompt_pass"].items():
+    d = np.asarray(after["per_prompt_pass"][name]) - np.asarray(b)
     out[name] = {"delta": float(d.mean()), "se": evaluation.standard_error(d)}
   return out
 
 
 def _teacher_forced(graphdef, params, rollouts: rollout.Rollouts, modes, temperature: float,
-                    batch_size: int, pack_length: int) -> dict[str, list[float]]:
-  """Per mode: per-depth acceptance of the batch's rollouts, weighted by the probability of
-  reaching each depth (decoding.diagnostics, one forward for all modes), under `params`; the
-  rollouts packed into rows of `pack_length` positions, `batch_size` rows per forward."""
+                    batch_size: int, pack_length: int) -> dict[str, dict[str, list[float]]]:
+  """Per mode: train.mtp.teacher_forced_acceptance of the rollouts under `params` ("alpha":
+  per-depth acceptance weighted by the probability of reaching the depth; "positions": the
+  weights that combine calls), one forward for all modes; the rollouts packed into rows of
+  `pack_length` positions, `batch_size` rows per forward."""
   if not modes:
     return {}
-  res = mtp_stage.teacher_forced_acceptance(
+  return mtp_stage.teacher_forced_acceptance(
       graphdef, params, rollouts.sequences(), temperature=temperature, modes=modes,
       batch_size=batch_size, pack_length=pack_length)
-  return {mode: res[mode]["alpha"] for mode in modes}
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -174,7 +179,7 @@ def _batch_metrics(rollouts: rollout.Rollouts, group_size: int) -> dict[str, flo
     rows = rollouts.rows_of_task(name)
     if len(rows):
       m[f"reward/{name}"] = float(rollouts.rewards[rows].mean())
-      m[f"pass_rate/{name}"] = float((rollouts.rewards[rows] >= 1.0).mean())
+      m[f"pass_rate/{name}"] = float(tasks_lib.solved(rollouts.rewards[rows]).mean())
   return m
 
 
@@ -263,7 +268,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       waited = time.perf_counter() - t0
       staleness = async_loop.check_batch(batch, step, eta)
       metrics = dict(batch.metrics)
-      metrics.update(learn.update(batch.rollouts, step, stale=bool(staleness.max() > 0)))
+      metrics.update(learn.update(batch.rollouts, step, staleness=staleness))
       step += 1
       t1 = time.perf_counter()
       sync_wait = store.publish(lambda: jax.block_until_ready(place.to_rollout(learn.params())),
@@ -321,39 +326,65 @@ def _describe_timing(summary: dict) -> str:
 def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
                    place: placement_lib.Placement, tf_modes, pack_length: int):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
-  on the rollout side with the newest weights in `store` (between decoding calls too, with
-  rl.asynchronous.interrupt), rollout key fold_in(seed + 101, index); then the teacher-forced
-  acceptance of the batch under the newest weights that sampled it."""
+  on the rollout side with the newest weights in `store`, rollout key fold_in(seed + 101,
+  index), and the teacher-forced acceptance of its rows under the version that sampled them.
+
+  Without rl.asynchronous.interrupt one version samples the whole batch. With it, each
+  decoding call takes the newest version; a call holds whole GRPO groups (one version
+  samples every rollout of a prompt), and its rows are scored while its version is held.
+  The engine keeps no parameters of its own, so at most the weight store's two versions
+  live on the rollout devices."""
   c = config.rl
   interrupt = c.asynchronous.enabled and c.asynchronous.interrupt
   base_key = jax.random.key(config.seed + 101)
   with store.read() as (params, version):
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(config),
                                policy_version=version)
+  engine.release_params()
+  del params
 
   def produce(index: int, batch) -> tuple[rollout.Rollouts, dict[str, Any]]:
     exs = [tasks_lib.Example.from_json(x) for x in batch["example_json"]]
     key = jax.random.fold_in(base_key, index)
     t0 = time.perf_counter()
-    with place.rollout_context(), contextlib.ExitStack() as hold:
+    scored: list[tuple[rollout.Rollouts, Any]] = []  # (rows, their teacher-forced result)
+    diagnostics_s = 0.0
+
+    def score(part: rollout.Rollouts, params, _version) -> None:
+      nonlocal diagnostics_s
+      t = time.perf_counter()
+      scored.append(_teacher_forced(graphdef, params, part, tf_modes, c.rollout.temperature,
+                                    c.rollout.batch_size, pack_length))
+      diagnostics_s += time.perf_counter() - t
+
+    with place.rollout_context():
       if interrupt:
-        rollouts = engine.generate(exs, key, weights=store.read)
-        params, _ = hold.enter_context(store.read())  # the newest, for the diagnostics
+        rollouts = engine.generate(exs, key, weights=store.read, group_size=c.group_size,
+                                   after_call=score)
       else:
-        params, version = hold.enter_context(store.read())
-        engine.update_params(params, version)
-        rollouts = engine.generate(exs, key)
-      metrics = _batch_metrics(rollouts, c.group_size)
-      metrics["rollout_s"] = time.perf_counter() - t0
-      t1 = time.perf_counter()
-      for mode, alpha in _teacher_forced(graphdef, params, rollouts, tf_modes,
-                                         c.rollout.temperature, c.rollout.batch_size,
-                                         pack_length).items():
-        metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
-      metrics["diagnostics_s"] = time.perf_counter() - t1
+        with store.read() as (params, version):
+          rollouts = engine.generate(exs, key,
+                                     weights=lambda: contextlib.nullcontext((params, version)),
+                                     group_size=c.group_size)
+          score(rollouts, params, version)
+        del params
+    metrics = _batch_metrics(rollouts, c.group_size)
+    metrics["rollout_s"] = time.perf_counter() - t0 - diagnostics_s
+    for mode in tf_modes:
+      alpha = _combine_teacher_forced([r[mode] for r in scored])
+      metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
+    metrics["diagnostics_s"] = diagnostics_s
     return rollouts, metrics
 
   return produce
+
+
+def _combine_teacher_forced(results: list[dict[str, list[float]]]) -> list[float]:
+  """Per-depth acceptance of several calls' teacher-forced results, weighted by the
+  positions each depth was scored at."""
+  n = np.asarray([r["positions"] for r in results], float)
+  alpha = np.asarray([r["alpha"] for r in results], float)
+  return (np.sum(alpha * n, axis=0) / np.maximum(n.sum(axis=0), 1)).tolist()
 
 
 def _describe_eval(ev: dict) -> str:
@@ -394,6 +425,7 @@ def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
       "pass_at_1_before": before["pass_at_1"], "pass_at_1_after": after["pass_at_1"],
       "pass_at_1_se_before": before["pass_at_1_se"], "pass_at_1_se_after": after["pass_at_1_se"],
       "pass_at_1_delta": paired_difference(before, after),
+      "mean_reward_before": before["mean_reward"], "mean_reward_after": after["mean_reward"],
       "acceptance_before": {m: r["acceptance"] for m, r in before["modes"].items()},
       "acceptance_after": {m: r["acceptance"] for m, r in after["modes"].items()},
       "tokens_per_target_forward_before": {m: r["tokens_per_target_forward"]

@@ -50,25 +50,45 @@ class JaxEngine(base.RolloutEngine):
                        f"{sorted(self.tasks)}")
     return self.tasks[example.task]
 
+  def release_params(self) -> None:
+    """Drops the engine's reference to its parameters: a caller that passes `weights` to
+    every `generate` call (asynchronous RL) keeps no version alive through the engine."""
+    self.params = None
+
   def generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array,
-               weights: Callable[[], ContextManager[tuple[nnx.State, int]]] | None = None
+               weights: Callable[[], ContextManager[tuple[nnx.State, int]]] | None = None,
+               *, group_size: int = 1,
+               after_call: Callable[[base.Rollouts, nnx.State, int], None] | None = None
                ) -> base.Rollouts:
     """One rollout per example (see RolloutEngine.generate).
 
-    `weights`, when given, is called before each decoding call of `settings.batch_size`
-    rows and returns a context manager yielding (parameters, version) to decode that call
-    with (asynchronous RL swaps in new weights between calls this way; the context is held
-    while the call runs). Call c then uses the key fold_in(rng, c), and each row keeps the
-    version that sampled it.
+    `weights`, when given, is called before each decoding call and returns a context
+    manager yielding (parameters, version) to decode that call with (asynchronous RL swaps
+    in new weights between calls this way; the context is held while the call runs). A call
+    takes the largest multiple of `group_size` rows that fits `settings.batch_size`, so the
+    rollouts of one prompt (a group of `group_size` consecutive rows) are sampled by one
+    version. Call c uses the key fold_in(rng, c), each row keeps the version that sampled
+    it, and `after_call(rollouts of the call, parameters, version)`, when given, runs while
+    the call's context is still held (to score the rows under the version that sampled
+    them).
     """
     if weights is None:
+      if self.params is None:
+        raise ValueError("the engine's parameters were released: pass `weights`")
       return self._generate(examples, rng, self.params, self.policy_version)
+    rows = self.settings.batch_size // group_size * group_size
+    if rows < 1:
+      raise ValueError(f"batch_size={self.settings.batch_size} is smaller than a group of "
+                       f"group_size={group_size} rows: a decoding call must hold whole "
+                       "groups, so that one version samples every rollout of a prompt")
     parts = []
-    bs = self.settings.batch_size
-    for c, first in enumerate(range(0, len(examples), bs)):
+    for c, first in enumerate(range(0, len(examples), rows)):
       with weights() as (params, version):
-        parts.append(self._generate(examples[first:first + bs], jax.random.fold_in(rng, c),
-                                    params, version))
+        part = self._generate(examples[first:first + rows], jax.random.fold_in(rng, c),
+                              params, version)
+        if after_call is not None:
+          after_call(part, params, version)
+      parts.append(part)
     return base.Rollouts.concatenate(parts)
 
   def _generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array,

@@ -207,7 +207,9 @@ def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float
                               pack_length: int | None = None
                               ) -> dict[str, dict[str, list[float]]]:
   """Per mode: per-depth acceptance over the policy tokens of held-out rollouts, plain
-  ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha").
+  ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha"), and
+  the positions each depth was scored at ("positions": the weights that combine results of
+  several calls, as this function combines its batches).
 
   The sequences are packed (first-fit-decreasing, each its own segment) into rows of
   `pack_length` positions (default: the bucket that holds the longest), up to `batch_size`
@@ -230,7 +232,8 @@ def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float
       for key in keys:
         sums[mode][key] = sums[mode][key] + np.asarray(out[mode][key]) * n
       weights[mode] = weights[mode] + n
-  return {mode: {k: (sums[mode][k] / np.maximum(weights[mode], 1)).tolist() for k in keys}
+  return {mode: {**{k: (sums[mode][k] / np.maximum(weights[mode], 1)).tolist() for k in keys},
+                 "positions": np.asarray(weights[mode], float).tolist()}
           for mode in modes}
 
 
