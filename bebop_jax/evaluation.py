@@ -1,8 +1,9 @@
 """Policy evaluation by sampling: per-task pass@1 through a rollout engine.
 
 One rollout per held-out example (the agentic task with its environment in the loop), scored
-by the task's reward; pass@1 is the mean reward of one sample per prompt (for code, the
-fraction of held-out test cases passed). Each task is sampled with its own key, derived from
+by the task's reward; pass@1 is the fraction of prompts whose one sample solves them (reward
+1: for code, every held-out test case passes), and `mean_reward` the mean reward (for code,
+the mean fraction of test cases passed; for the binary tasks the same as pass@1). Each task is sampled with its own key, derived from
 the seed and the task, so a task's numbers do not depend on which other tasks are evaluated.
 """
 
@@ -45,7 +46,13 @@ def rollouts_by_task(engine: RolloutEngine,
 
 
 def pass_at_1(rollouts: Mapping[str, Rollouts]) -> dict[str, float]:
-  """{task: mean reward}."""
+  """{task: fraction of rollouts that solve their example (tasks.solved)}."""
+  return {name: float(tasks_lib.solved(r.rewards).mean()) if r.num_rows else 0.0
+          for name, r in rollouts.items()}
+
+
+def mean_reward(rollouts: Mapping[str, Rollouts]) -> dict[str, float]:
+  """{task: mean reward} (for code, the mean fraction of held-out test cases passed)."""
   return {name: float(r.rewards.mean()) if r.num_rows else 0.0 for name, r in rollouts.items()}
 
 
@@ -58,7 +65,7 @@ def standard_error(values: np.ndarray) -> float:
 def evaluate_tasks(engines: Mapping[float, RolloutEngine],
                    examples: Mapping[str, Sequence[tasks_lib.Example]], *, seed: int
                    ) -> dict[str, float]:
-  """pass@1 per task and temperature: {"<task>/t<temperature>": mean reward}, given one
+  """pass@1 per task and temperature: {"<task>/t<temperature>": fraction solved}, given one
   engine per temperature."""
   results = {}
   for temperature, engine in engines.items():

@@ -53,13 +53,15 @@ def main(argv):
   print("|---|---|---|---|---|---|")
   for n in names:
     rewards = rollouts[n].rewards
+    solved = tasks_lib.solved(rewards).astype(float)
     demo = evaluation.demonstration_entropy(task_objs[n], [task_objs[n].sample(i) for i in
                                                 range(_DEMO_PROBLEMS.value)],
                                  _DEMO_SAMPLES.value)
-    results[n] = {"pass_at_1": float(rewards.mean()),
-                  "pass_at_1_se": evaluation.standard_error(rewards),
+    results[n] = {"pass_at_1": float(solved.mean()),
+                  "pass_at_1_se": evaluation.standard_error(solved),
+                  "mean_reward": float(rewards.mean()),
                   "entropy": entropy[n], "demonstration_entropy": demo}
-    print(f"| {n} | {rewards.mean():.3f} ± {results[n]['pass_at_1_se']:.3f} | "
+    print(f"| {n} | {solved.mean():.3f} ± {results[n]['pass_at_1_se']:.3f} | "
           f"{entropy[n]['mean']:.3f} | {100 * entropy[n]['above_threshold']:.1f}% | "
           f"{demo['mean']:.3f} | {100 * demo['above_threshold']:.1f}% |")
   if _OUT.value:

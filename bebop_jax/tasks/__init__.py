@@ -1,7 +1,8 @@
 """Synthetic verifiable tasks: math, code and agentic tool use.
 
 `get_task(name, **knobs)` returns a `Task` whose `sample(seed)` gives an `Example` and whose
-`reward(example, completion)` scores a completion in [0, 1]. The agentic task also provides
+`reward(example, completion)` scores a completion in [0, 1]; `solved(reward)` (reward 1)
+is what pass@1 counts. The agentic task also provides
 `environment(example)` for multi-turn episodes.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from bebop_jax.tasks.base import Example, Task
+from bebop_jax.tasks.base import Example, Task, solved
 
 TASK_NAMES = ("math", "code", "agentic")
 

@@ -20,6 +20,8 @@ do bounded work on any string: they clip the input to `MAX_COMPLETION_CHARS` fir
 
 from __future__ import annotations
 
+import numpy as np
+
 import abc
 import dataclasses
 import json
@@ -131,6 +133,12 @@ class OneTurnEnvironment:
   def step(self, policy_text: Any) -> StepResult:
     """Never raises: rewards are total functions of the text."""
     return StepResult("", True, float(self.task.reward(self.example, policy_text)), 1)
+
+
+def solved(reward) -> "bool | np.ndarray":
+  """Whether a completion solves its example: its reward is 1, every check passed (for code,
+  every held-out test case; partial credit is not a solve). pass@1 is the mean of this."""
+  return np.asarray(reward) >= 1.0
 
 
 class Task(abc.ABC):
