@@ -23,7 +23,8 @@ of `batch_size` rows keeps its rows in their slots across turns:
 Host work per turn is the environment call (Python) and one transfer of the output so far.
 Environments follow the tasks' protocol: `env.step(text)` returns an object with
 `observation` (str), `done` (bool) and `reward` (float), and never raises. Prompts and
-replies are bucketed (batching.PROMPT_BUCKETS, REPLY_BUCKETS) so each shape compiles once.
+replies are bucketed (batching.PROMPT_BUCKETS; REPLY_BUCKETS, capped at max_new_tokens - 1)
+so each shape compiles once.
 """
 
 from __future__ import annotations
