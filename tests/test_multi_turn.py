@@ -2,6 +2,7 @@
 the target's cache (autoregressive), against decoding that re-encodes the whole context."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -328,3 +329,37 @@ def test_autoregressive_episodes_compile_once_per_bucket():
   episodes = run(1) + run(2)
   assert sizes() == compiled
   assert max(ep.turns for ep in episodes) == 4  # replies appended, reply buckets reused
+
+
+@pytest.mark.parametrize("continuation", [True, False])
+def test_an_autoregressive_episode_does_not_depend_on_the_other_rows(continuation):
+  """Row 0's episode, from the same key, alone and next to rows whose turns and episodes
+  end at other times: a row's key is split once per token it samples, whatever the loop
+  does for the other rows. Row 0 stops at many tokens (its turns end early, sampled near
+  uniformly), the other rows at none (their turns run to max_turn_tokens)."""
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = get_tokenizer()
+  stops = tuple(range(8, 104, 2))  # 48 of the 128 tokens
+
+  def run(others, other_replies):
+    prompts = [tok.encode("what is 3+4?", add_bos=True)] + [
+        tok.encode(p, add_bos=True) for p in others]
+    envs = [_ScriptedEnv(["ok", "<|result|>12<|/result|>", "no"])] + [
+        _ScriptedEnv(list(r)) for r in other_replies]
+    return multi_turn.autoregressive_episodes(
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(9), batch_size=4, max_new_tokens=48,
+        max_turn_tokens=10, params=sampling.SamplingParams(3.0), stop_tokens=stops,
+        row_stops=np.arange(len(prompts))[:, None] == np.zeros((1, len(stops))),
+        continuation=continuation)
+
+  def turn_lengths(ep):  # the runs of policy tokens
+    return [len(list(run)) for sampled, run in itertools.groupby(ep.policy_mask) if sampled]
+
+  alone = run([], [])
+  crowded = run(["list files", "x"], [["a" * 3] * 3, []])
+  assert alone[0].tokens == crowded[0].tokens
+  np.testing.assert_allclose(alone[0].logprobs, crowded[0].logprobs, atol=1e-5, rtol=0)
+  # Row 0 ended a turn (not its last) before row 1 did: the loop ran on without it.
+  first, second = turn_lengths(crowded[0]), turn_lengths(crowded[1])
+  assert len(first) == len(second) == 4
+  assert any(a < b for a, b in zip(first[:-1], second[:-1])), (first, second)
