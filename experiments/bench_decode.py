@@ -10,6 +10,15 @@ temperature and verification mode it reports tokens/s of both loops over the sam
 decodes --num_prompts prompts one after another), the speed ratio,
 tokens per target forward, and per-depth acceptance online and teacher-forced (the
 self-consistency diagnostic). Temperature 0 uses mode "exact"; temperature > 0 the others.
+
+With --episodes (batch sizes), it also times whole agentic episodes (benchmark.
+run_episode_benchmark: tool calls answered by the environment, the policy continuing) for
+speculative decoding, autoregressive decoding with its cache kept across turns and
+autoregressive decoding that re-encodes the whole context every turn, and writes those rows
+to the JSON's "results_multi_turn" (--batch_sizes= runs the episodes alone):
+
+  python experiments/bench_decode.py --config=configs/quickstart.py --workdir=runs/quickstart \
+      --batch_sizes= --episodes=1,8,64
 """
 
 from __future__ import annotations
@@ -43,6 +52,12 @@ _POLICY = flags.DEFINE_enum("policy", "auto", ["auto", "sft", "mtp"],
 _SPLIT = flags.DEFINE_bool(
     "split_fixed_cost", True, "Also time every loop with max_new_tokens=1 (prefill and first "
     "token) and report the decoding phase's speed ratio without that per-call cost.")
+_EPISODES = flags.DEFINE_list(
+    "episodes", [], "Batch sizes of the multi-turn benchmark (whole agentic episodes, "
+    "--num_prompts of them per row); empty: not run.")
+_EPISODE_MAX_NEW = flags.DEFINE_integer(
+    "episode_max_new_tokens", 160, "Completion budget of an episode (policy turns and "
+    "environment replies).")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default <workdir>/bench_decode.json).")
 
 
@@ -51,17 +66,29 @@ def main(argv):
   config = config_lib.validate(_CONFIG.value)
   graphdef, state, source = mtp.load_workdir_policy(
       config, _WORKDIR.value, which="random" if _RANDOM.value else _POLICY.value)
-  print(f"model: {source}; device: {jax.devices()[0].device_kind}\n{benchmark.header(_SPLIT.value)}")
+  print(f"model: {source}; device: {jax.devices()[0].device_kind}")
+  if _BATCH.value:
+    print(benchmark.header(_SPLIT.value))
   results = benchmark.run_benchmark(
       config, graphdef, state, batch_sizes=[int(b) for b in _BATCH.value],
       temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
       max_new=_MAX_NEW.value, repeats=_REPEATS.value,
       num_prompts=_PROMPTS.value, split_fixed_cost=_SPLIT.value)
+  episodes = {}
+  if _EPISODES.value:
+    print(f"\nmulti-turn: whole agentic episodes\n{benchmark.episode_header()}")
+    episodes = {"episode_max_new_tokens": _EPISODE_MAX_NEW.value,
+                "results_multi_turn": benchmark.run_episode_benchmark(
+                    config, graphdef, state, batch_sizes=[int(b) for b in _EPISODES.value],
+                    temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
+                    max_new_tokens=_EPISODE_MAX_NEW.value, repeats=_REPEATS.value,
+                    num_prompts=_PROMPTS.value)}
   out = _OUT.value or os.path.join(_WORKDIR.value or ".", "bench_decode.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as f:
     json.dump({"model": source, "device": jax.devices()[0].device_kind,
-               "max_new_tokens": _MAX_NEW.value, "results": results}, f, indent=2)
+               "max_new_tokens": _MAX_NEW.value, "results": results, **episodes}, f,
+              indent=2)
   print(f"wrote {out}")
 
 
