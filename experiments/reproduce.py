@@ -4,11 +4,12 @@ r"""Reproduces the paper's findings and writes the results page.
       [--results=docs/results.md] [--only=objectives,through_rl]
 
 Scales (bebop_jax/findings/common.py): smoke (the tiny model, a few steps: checks that every
-piece runs), laptop (under an hour on two CPU cores), full (larger budgets). The findings
+piece runs), laptop (about an hour on two CPU cores), full (larger budgets). The findings
 share their stages: one SFT policy, one drafter per (MTP loss, seed), one RL run per drafter
-arm, the four speed arms; a rerun skips what finished and resumes what did not. Writes
+arm, the entropy RL run (F1/F2's points per step), the four speed arms; a rerun skips what finished and resumes what did not. Writes
 <workdir>/findings/ (json, csv, md and png per finding) and the page (default
-<workdir>/results.md, its figures and data copied to <page dir>/results/).
+<workdir>/results.md, its figures and data copied to <page dir>/results/); its title and
+verdicts come from the rules in bebop_jax/findings/rules.py.
 """
 
 from absl import app

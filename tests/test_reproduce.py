@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from bebop_jax.findings import acceptance_entropy, common, results
+from bebop_jax.findings import acceptance_entropy, common, results, rules
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINDING_KEYS = {"name", "title", "claim", "verdict", "reason", "markdown", "data", "rows",
-                "figures", "seconds"}
+                "figures", "seconds", "rule"}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,12 @@ def test_every_finding_has_its_files_and_schema(smoke):
     f = _finding(workdir, name)
     assert set(f) == FINDING_KEYS, name
     assert f["verdict"] in common.VERDICTS
+    # The verdict is the rule in force's; every version was evaluated on these data.
+    rule = rules.RULES[name]
+    assert f["rule"]["current"] == rule.current.number
+    assert [v["version"] for v in f["rule"]["versions"]] == [v.number for v in rule.versions]
+    assert (f["verdict"], f["reason"]) == (f["rule"]["versions"][-1]["verdict"],
+                                           f["rule"]["versions"][-1]["reason"])
     assert f["reason"] and f["claim"] and f["rows"] and f["figures"]
     with open(workdir / "findings" / f"{name}.csv") as fh:
       rows = list(csv.DictReader(fh))
@@ -57,10 +63,20 @@ def test_the_page_has_every_section_with_its_verdict(smoke):
   workdir, page, stdout = smoke
   text = page.read_text()
   assert "python experiments/reproduce.py --scale=smoke" in text
+  verdicts = [_finding(workdir, name)["verdict"] for name in results.PAGE_ORDER]
+  reproduced = sum(v == "reproduced" for v in verdicts)
+  count = (f"all {len(verdicts)}" if reproduced == len(verdicts) else
+           f"{reproduced} of {len(verdicts)}")
+  assert text.splitlines()[0] == (f"# Results: the Bebop paper's findings at smoke scale: "
+                                  f"{count} reproduced")
   for name in results.PAGE_ORDER:
     f = _finding(workdir, name)
     assert f"## {f['title']}" in text
     assert f"**Verdict: {f['verdict']}.**" in text
+    rule = rules.RULES[name]
+    assert f"*Rule {rule.label}, version {rule.current.number}:* {rule.current.text}" in text
+    for old in f["rule"]["versions"][:-1]:
+      assert f"| {old['version']} | {old['text']}" in text
     for fig in f["figures"]:
       assert f"(results/{fig})" in text
     assert f"[{f['name']}] {f['verdict']}" in stdout
@@ -77,20 +93,37 @@ def test_numbers_are_measured_not_constant(smoke):
   accs = [r["acceptance"] for r in runs if r["task"] == "all" and r["mode"] == "rejection"]
   assert np.all((np.asarray(accs) >= 0) & (np.asarray(accs) <= 1))
   assert np.std(accs) > 0
-  # F1/F2: raising the temperature raises the policy's entropy; fits are finite.
-  pts = _finding(workdir, acceptance_entropy.NAME_F1)["data"]["points"]
+  comp = obj["comparison"]
+  assert comp["seeds"] == scale.seeds
+  for loss in ("kl", "tv", "e2e_tv"):
+    assert comp["paired"][loss]["df"] == scale.seeds - 1
+  # F1/F2: raising the temperature raises the policy's entropy; the RL-step points are the
+  # entropy RL run's, fitted as a series; every fit reports the entropy range it covers.
+  f1 = _finding(workdir, acceptance_entropy.NAME_F1)["data"]
+  pts = f1["points"]
   for mode in common.MODES:
     ent = pts["rescoring"][mode]["entropy"]
     assert pts["rescoring"][mode]["temperature"] == list(scale.temperatures)
     assert all(b > a for a, b in zip(ent, ent[1:])), ent
-    assert len(pts["rl_steps"][mode]["entropy"]) == scale.rl_steps
-  fits = _finding(workdir, acceptance_entropy.NAME_F1)["data"]["fits"]
+    assert pts["rl_steps"][mode]["step"] == list(range(1, scale.entropy_rl_steps + 1))
+  fits = f1["fits"]
   assert np.isfinite(fits["rescoring"]["depth1"]["rejection"]["slope"])
+  for source in acceptance_entropy.SOURCES:
+    ent = pts[source]["rejection"]["entropy"]
+    assert f1["entropy_ranges"][source]["x_range"] == pytest.approx(max(ent) - min(ent))
+    assert fits[source]["depth1"]["rejection"]["x_range"] == pytest.approx(max(ent) - min(ent))
+  series = fits["rl_steps"]["depth1"]["rejection"]
+  assert series["ordered"] and series["corrected"] and "residual_lag1_autocorrelation" in series
+  assert not fits["rescoring"]["depth1"]["rejection"]["ordered"]
   # F4: every arm ran every step; the online and periodic arms pay for their MTP updates.
   arms = _finding(workdir, "through_rl")["data"]["arms"]
   assert set(arms) == set(common.DRAFTER_ARMS)
   for a in arms.values():
     assert a["steps"] == list(range(1, scale.rl_steps + 1))
+  f4 = _finding(workdir, "through_rl")["data"]
+  assert f4["control"]["arm"] == "frozen_ce"
+  assert f4["control"]["steps"] == list(range(1, scale.rl_steps + 1))
+  assert {"entropy_change", "pass_at_1_change"} <= set(f4["policy"])
   total = {n: a["mtp_update_s_total"] for n, a in arms.items()}
   frozen = max(t for n, t in total.items() if n.startswith("frozen"))
   assert min(t for n, t in total.items() if not n.startswith("frozen")) > 2 * frozen, total
@@ -98,6 +131,7 @@ def test_numbers_are_measured_not_constant(smoke):
   speed = _finding(workdir, "speedup")["data"]
   assert len(speed["arms"]) == 4 and all(a["step_s"] > 0 for a in speed["arms"].values())
   assert len({a["step_s"] for a in speed["arms"].values()}) == 4
+  assert speed["placement"]["mode"] in ("colocated", "split")
 
 
 def test_a_rerun_reuses_every_stage(smoke):
@@ -107,7 +141,10 @@ def test_a_rerun_reuses_every_stage(smoke):
   assert ctx.drafter("e2e_tv", 1) == str(workdir / "objectives" / "e2e_tv" / "seed1")
   ctx.drafter_arm("frozen_ce")  # complete: nothing runs
   assert json.loads((workdir / "stage_seconds.json").read_text()) == before
-  assert set(before) >= {"base", "speedup", *(f"through_rl/{a}" for a in common.DRAFTER_ARMS)}
+  ctx.entropy_rl()
+  assert json.loads((workdir / "stage_seconds.json").read_text()) == before
+  assert set(before) >= {"base", "speedup", "entropy_rl",
+                         *(f"through_rl/{a}" for a in common.DRAFTER_ARMS)}
 
 
 def test_bad_scale_and_arm_are_refused(tmp_path):
@@ -115,6 +152,21 @@ def test_bad_scale_and_arm_are_refused(tmp_path):
     common.Context(str(tmp_path), "huge")
   with pytest.raises(ValueError, match="arm='nope' is not allowed"):
     common.Context(str(tmp_path), "smoke").drafter_arm("nope")
+
+
+def test_entropy_rl_config_takes_the_scale_settings(tmp_path):
+  """The laptop scale's entropy RL run: its own steps, learning rate and clip-higher, from the
+  e2e_tv seed-0 drafter, drafter frozen (the config only; nothing runs)."""
+  ctx = common.Context(str(tmp_path), "laptop")
+  ctx.drafter = lambda loss, seed: str(tmp_path / "objectives" / loss / f"seed{seed}")
+  c = ctx.entropy_rl_config()
+  s = common.SCALES["laptop"]
+  assert c.rl.init_from == str(tmp_path / "objectives" / "e2e_tv" / "seed0")
+  assert c.rl.train.num_steps == s.entropy_rl_steps
+  assert c.rl.optim.learning_rate == s.entropy_rl_learning_rate
+  assert c.rl.clip_high == s.entropy_rl_clip_high
+  assert c.rl.mtp.strategy == "frozen"
+  assert s.seeds >= 3
 
 
 def test_fit_line_against_numpy():
@@ -131,27 +183,3 @@ def test_fit_line_against_numpy():
                                      {"slope": -0.2, "slope_se": 0.02})
   assert r["ratio"] == pytest.approx(2.0)
   assert r["ratio_se"] == pytest.approx(2.0 * np.hypot(0.1, 0.1))
-
-
-def test_f2_verdict_is_paired_on_the_same_points():
-  """Greedy acceptance falls twice as fast as rejection's, with batch noise shared by both
-  modes: the paired gap finds it although each fit alone is noisy."""
-  rng = np.random.default_rng(1)
-  points = {}
-  for source in acceptance_entropy.SOURCES:
-    ent = np.linspace(0.2, 1.0, 12)
-    shared = rng.normal(0, 0.05, 12)  # the same batches score both modes
-    rej = 0.95 - 0.05 * ent + shared
-    gr = 0.90 - 0.10 * ent + shared + rng.normal(0, 0.002, 12)
-    points[source] = {m: {"entropy": ent, "depth1": a, "mean": a}
-                      for m, a in (("rejection", rej), ("greedy_draft", gr))}
-  fit = acceptance_entropy.fits(points)
-  (_, _), (v2, reason) = acceptance_entropy.verdicts(fit)
-  assert v2 == "reproduced", reason
-  gap = fit["rescoring"]["depth1"]["difference"]
-  assert gap["slope_ci95"][0] < -0.05 < gap["slope_ci95"][1]
-  for source in points:  # swap the modes: the gap narrows, so not reproduced
-    p = points[source]
-    p["rejection"], p["greedy_draft"] = p["greedy_draft"], p["rejection"]
-  (_, _), (v2, _) = acceptance_entropy.verdicts(acceptance_entropy.fits(points))
-  assert v2 == "not reproduced"

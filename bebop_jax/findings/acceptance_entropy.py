@@ -1,15 +1,19 @@
 """F1/F2: acceptance against policy entropy, for rejection sampling and greedy drafts.
 
 Two sets of points, each a (mean target entropy, acceptance) pair:
-  RL steps     one per step of the frozen e2e_tv arm of F4 (the drafter fixed, the policy
-               moving): the batch's mean entropy at the rollout temperature and its
-               teacher-forced acceptance, scored against the policy that sampled it;
+  RL steps     one per step of the entropy RL run (common.Context.entropy_rl: the e2e_tv
+               drafter frozen, the policy trained with settings that move its entropy): the
+               batch's mean entropy at the rollout temperature and its teacher-forced
+               acceptance, scored against the policy that sampled it;
   re-scoring   one per temperature: the held-out rollouts of the SFT policy scored by the
                e2e_tv drafter with target and draft both at temperature T (a higher T
                raises the policy's entropy, as RL's drift to more diverse outputs does).
 Acceptance is depth 1's, and the mean over depths. Each set gets a least-squares line per
-mode (slope, intercept, r2, 95% interval of the slope) and the slope ratio greedy_draft /
-rejection with its delta-method standard error.
+mode (slope, intercept, r2, 95% Student-t interval of the slope, the entropy range the
+points cover, the lag-1 autocorrelation of the residuals), the line of the paired gap
+greedy_draft - rejection on the same points, and the slope ratio greedy_draft / rejection
+with its delta-method standard error. The RL-step points are a series: their intervals are
+corrected for autocorrelation (stats.fit_series). The verdicts are rules.F1 and rules.F2.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bebop_jax.findings import common
+from bebop_jax.findings import rules
+from bebop_jax.findings import stats
 
 NAME_F1, NAME_F2 = "acceptance_entropy", "greedy_vs_rejection"
 TITLE_F1 = "F1: acceptance falls as policy entropy rises"
@@ -31,13 +37,14 @@ CLAIM_F2 = ("the fall is far steeper with greedy drafts than with probabilistic 
             "rejection-sampling verification.")
 SOURCES = ("rl_steps", "rescoring")
 METRICS = ("depth1", "mean")
-ARM = "frozen_e2e_tv"
+# Points in time order (one per RL step) get the autocorrelation-corrected fit.
+ORDERED = {"rl_steps": True, "rescoring": False}
 
 
 def rl_step_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
-  """{mode: {"entropy", "depth1", "mean"}} from the RL steps of the frozen e2e_tv arm."""
+  """{mode: {"entropy", "depth1", "mean", "step"}} from the steps of the entropy RL run."""
   from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
-  s = rl_stage.read_summary(ctx.drafter_arm(ARM))
+  s = rl_stage.read_summary(ctx.entropy_rl())
   out = {}
   for mode in common.MODES:
     acc = np.asarray([[np.nan if a is None else a for a in row]
@@ -99,61 +106,34 @@ def slope_ratio(greedy: dict, rejection: dict) -> dict[str, float]:
 
 
 def fits(points: dict[str, dict[str, dict[str, np.ndarray]]]) -> dict:
+  """{source: {metric: {mode: fit, "ratio", "difference"}}}: a line per mode, the slope
+  ratio, and the fit of the paired gap greedy_draft - rejection; sources in ORDERED's time
+  order (RL steps) with stats.fit_series, the others with stats.fit_line."""
   out = {}
   for source, by_mode in points.items():
+    fit = stats.fit_series if ORDERED.get(source, False) else stats.fit_line
     out[source] = {}
     for metric in METRICS:
-      f = {mode: common.fit_line(by_mode[mode]["entropy"], by_mode[mode][metric])
-           for mode in common.MODES}
+      f = {mode: fit(by_mode[mode]["entropy"], by_mode[mode][metric]) for mode in common.MODES}
       f["ratio"] = slope_ratio(f["greedy_draft"], f["rejection"])
       # Paired: both modes score the same points, so their gap against entropy tests
       # "greedy falls faster" without treating two correlated fits as independent.
-      f["difference"] = common.fit_line(
-          by_mode["rejection"]["entropy"],
-          by_mode["greedy_draft"][metric] - by_mode["rejection"][metric])
+      f["difference"] = fit(by_mode["rejection"]["entropy"],
+                            by_mode["greedy_draft"][metric] - by_mode["rejection"][metric])
       out[source][metric] = f
   return out
 
 
-def verdicts(fit: dict) -> tuple[tuple[str, str], tuple[str, str]]:
-  """(F1, F2) verdicts from the depth-1 fits of both point sets. F1: reproduced when the
-  slope's 95% interval lies below 0 in both modes of every set, not reproduced when it lies
-  above 0 somewhere and below nowhere. F2 (paired): the gap greedy_draft - rejection fitted
-  against entropy; reproduced when its slope's 95% interval lies below 0 in every set (the
-  gap widens as entropy rises), not reproduced when it lies above 0 in every set. Anything
-  else is inconclusive."""
-  lines, f1, f2 = [], [], []
-  for source in SOURCES:
-    f = fit[source]["depth1"]
-    rej, gr, ratio, diff = f["rejection"], f["greedy_draft"], f["ratio"], f["difference"]
-    lines.append(f"{source}: depth-1 slope {rej['slope']:+.3f} per nat (95% CI "
-                 f"{rej['slope_ci95'][0]:+.3f} to {rej['slope_ci95'][1]:+.3f}, r2 "
-                 f"{rej['r2']:.2f}) for rejection, {gr['slope']:+.3f} ({gr['slope_ci95'][0]:+.3f}"
-                 f" to {gr['slope_ci95'][1]:+.3f}, r2 {gr['r2']:.2f}) for greedy_draft; ratio "
-                 f"{ratio['ratio']:.2f} ± {ratio['ratio_se']:.2f}; slope of the gap "
-                 f"{diff['slope']:+.3f} ({diff['slope_ci95'][0]:+.3f} to "
-                 f"{diff['slope_ci95'][1]:+.3f})")
-    for x in (rej, gr):
-      lo, hi = x["slope_ci95"]
-      f1.append("falls" if hi < 0 else "rises" if lo > 0 else "unclear")
-    lo, hi = diff["slope_ci95"]
-    f2.append("steeper" if hi < 0 else "not steeper" if lo > 0 else "unclear")
-  text = "; ".join(lines) + "."
-  if all(x == "falls" for x in f1):
-    v1 = ("reproduced", "Acceptance falls with entropy in both modes and both point sets: ")
-  elif "rises" in f1 and "falls" not in f1:
-    v1 = ("not reproduced", "Acceptance rises with entropy: ")
-  else:
-    v1 = ("inconclusive", "Not every slope's interval lies below zero: ")
-  if all(x == "steeper" for x in f2):
-    v2 = ("reproduced", "The gap between greedy drafts and rejection sampling widens with "
-          "entropy (95% interval of its slope below zero) in both point sets: ")
-  elif all(x == "not steeper" for x in f2):
-    v2 = ("not reproduced", "Greedy drafts fall less steeply in both point sets: ")
-  else:
-    v2 = ("inconclusive", "The gap's slope is not below zero beyond its 95% interval in "
-          "every point set: ")
-  return (v1[0], v1[1] + text), (v2[0], v2[1] + text)
+def entropy_ranges(points: dict) -> dict[str, dict[str, float]]:
+  """Per point set: the entropy min, max and max - min its points cover (nats per token)."""
+  return {source: stats.x_range(by_mode["rejection"]["entropy"])
+          for source, by_mode in points.items()}
+
+
+def verdicts(fit: dict) -> tuple[tuple[str, str, dict], tuple[str, str, dict]]:
+  """(F1, F2): (verdict, reason, every rule version's evaluation) by rules.F1 and rules.F2."""
+  result = {"fits": fit}
+  return rules.decide(NAME_F1, result), rules.decide(NAME_F2, result)
 
 
 def plot(points: dict, fit: dict, out_dir: str) -> str:
@@ -180,9 +160,14 @@ def plot(points: dict, fit: dict, out_dir: str) -> str:
   return common.save_figure(fig, out_dir, f"{NAME_F1}.png")
 
 
+def _interval_name(fit: dict) -> str:
+  return "HAC/AR(1)" if fit.get("corrected") else "t"
+
+
 def table(fit: dict) -> str:
-  lines = ["| points | acceptance | mode | n | slope per nat [95% CI] | intercept | r2 | "
-           "greedy / rejection slope |", "|---" * 8 + "|"]
+  lines = ["| points | acceptance | mode | n | entropy min - max (range), nats | slope per nat "
+           "[95% interval] | interval | intercept | r2 | residual lag-1 autocorrelation | "
+           "greedy / rejection slope ± SE |", "|---" * 11 + "|"]
   for source in SOURCES:
     for metric in METRICS:
       f = fit[source][metric]
@@ -190,18 +175,29 @@ def table(fit: dict) -> str:
         x = f[mode]
         ratio = (f"{f['ratio']['ratio']:.2f} ± {f['ratio']['ratio_se']:.2f}"
                  if mode == "greedy_draft" else "")
-        lines.append(f"| {source} | {metric} | {mode} | {x['points']} | {x['slope']:+.3f} "
+        lines.append(f"| {source} | {metric} | {mode} | {x['points']} | {x['x_min']:.3f} - "
+                     f"{x['x_max']:.3f} ({x['x_range']:.3f}) | {x['slope']:+.3f} "
                      f"[{x['slope_ci95'][0]:+.3f}, {x['slope_ci95'][1]:+.3f}] | "
-                     f"{x['intercept']:.3f} | {x['r2']:.2f} | {ratio} |")
+                     f"{_interval_name(x)} | {x['intercept']:.3f} | {x['r2']:.2f} | "
+                     f"{x['residual_lag1_autocorrelation']:+.2f} | {ratio} |")
   return "\n".join(lines)
+
+
+INTERVALS_NOTE = (
+    "Intervals are 95%: *t* is the Student-t interval at n - 2 degrees of freedom (points "
+    "taken as independent); *HAC/AR(1)* (points in RL-step order) is the wider of the "
+    "Newey-West interval and the AR(1) effective-sample-size interval, which allow for "
+    "autocorrelated noise from step to step. The ratio's ± is a delta-method standard error "
+    "that treats the two fits as independent; no rule in force decides on it.")
 
 
 def run(ctx: common.Context) -> list[common.Finding]:
   start = time.perf_counter()
   points = {"rl_steps": rl_step_points(ctx), "rescoring": rescored_points(ctx)}
   fit = fits(points)
+  ranges = entropy_ranges(points)
   figure = plot(points, fit, ctx.out_dir)
-  (v1, r1), (v2, r2) = verdicts(fit)
+  (v1, r1, rule1), (v2, r2, rule2) = verdicts(fit)
   rows = []
   for source, by_mode in points.items():
     for mode, p in by_mode.items():
@@ -211,27 +207,53 @@ def run(ctx: common.Context) -> list[common.Finding]:
                      "temperature": float(p["temperature"][i]) if "temperature" in p else "",
                      "entropy": float(p["entropy"][i]), "acceptance_depth1": float(p["depth1"][i]),
                      "acceptance_mean": float(p["mean"][i])})
-  data = {"points": {s: {m: {k: v.tolist() for k, v in p.items()} for m, p in bm.items()}
-                     for s, bm in points.items()},
-          "fits": fit, "temperatures": list(ctx.scale.temperatures), "rl_arm": ARM}
-  body = (f"Points per RL step: the {ARM} arm of F4 ({len(points['rl_steps']['rejection']['entropy'])} steps). Points per re-scoring temperature: held-out rollouts of the SFT policy "
-          f"scored at T in {list(ctx.scale.temperatures)}.\n\n" + table(fit))
+  rl_config = ctx.entropy_rl_config().rl
+  data = {"points": {src: {m: {k: v.tolist() for k, v in p.items()} for m, p in bm.items()}
+                     for src, bm in points.items()},
+          "fits": fit, "entropy_ranges": ranges, "temperatures": list(ctx.scale.temperatures),
+          "rl_run": {"stage": "entropy_rl", "steps": ctx.scale.entropy_rl_steps,
+                     "learning_rate": rl_config.optim.learning_rate,
+                     "clip_low": rl_config.clip_low, "clip_high": rl_config.clip_high}}
+  rej = points["rl_steps"]["rejection"]
+  drift = stats.fit_series(rej["step"], rej["entropy"])
+  data["rl_run"]["entropy_change"] = stats.change_over_run(drift, rej["step"])
+  rl = data["rl_run"]
+  span = lambda r: f"{r['x_min']:.3f} to {r['x_max']:.3f} nats ({r['x_range']:.3f})"
+  body = (f"Points per RL step: the entropy RL run (`entropy_rl/`: {rl['steps']} steps from the "
+          f"e2e-TV drafter, drafter frozen, policy learning rate {rl['learning_rate']:g}, clip "
+          f"range 1 - {rl['clip_low']:g} to 1 + {rl['clip_high']:g}); "
+          f"their batch entropy spans {span(ranges['rl_steps'])}, and its line over the steps "
+          f"changes by {rl['entropy_change']['change']:+.3f} nats over the run (95% HAC/AR(1) "
+          f"interval {rl['entropy_change']['change_ci95'][0]:+.3f} to "
+          f"{rl['entropy_change']['change_ci95'][1]:+.3f}; the span also holds the spread from batch "
+          f"to batch). Points per re-scoring "
+          f"temperature: held-out rollouts of the SFT policy scored at T in "
+          f"{list(ctx.scale.temperatures)}; entropy spans {span(ranges['rescoring'])}.\n\n"
+          + table(fit) + "\n\n" + INTERVALS_NOTE)
   seconds = time.perf_counter() - start
-  f1 = common.Finding(NAME_F1, TITLE_F1, CLAIM_F1, v1, r1, body, data, rows, [figure], seconds)
+  f1 = common.Finding(NAME_F1, TITLE_F1, CLAIM_F1, v1, r1, body, data, rows, [figure], seconds,
+                      rule=rule1)
   ratio_rows = [{"source": s, "metric": m, **fit[s][m]["ratio"],
                  "gap_slope": fit[s][m]["difference"]["slope"],
                  "gap_slope_ci95_low": fit[s][m]["difference"]["slope_ci95"][0],
                  "gap_slope_ci95_high": fit[s][m]["difference"]["slope_ci95"][1],
-                 "gap_r2": fit[s][m]["difference"]["r2"]} for s in SOURCES for m in METRICS]
+                 "gap_interval": _interval_name(fit[s][m]["difference"]),
+                 "gap_r2": fit[s][m]["difference"]["r2"],
+                 "gap_residual_lag1_autocorrelation":
+                     fit[s][m]["difference"]["residual_lag1_autocorrelation"],
+                 "entropy_min": ranges[s]["x_min"], "entropy_max": ranges[s]["x_max"],
+                 "entropy_range": ranges[s]["x_range"]} for s in SOURCES for m in METRICS]
   ratio_body = "\n".join(
-      ["| points | acceptance | greedy_draft slope / rejection slope | slope of the gap "
-       "greedy_draft - rejection per nat [95% CI] | r2 |", "|---|---|---|---|---|"] +
-      [f"| {r['source']} | {r['metric']} | {r['ratio']:.2f} ± {r['ratio_se']:.2f} | "
-       f"{r['gap_slope']:+.3f} [{r['gap_slope_ci95_low']:+.3f}, {r['gap_slope_ci95_high']:+.3f}]"
-       f" | {r['gap_r2']:.2f} |" for r in ratio_rows]) + (
-          "\n\nThe ratio's standard error treats the two fits as independent; the gap is "
-          "fitted on the same points (paired), which the verdict uses. The fits and the "
-          "figure are F1's.")
+      ["| points | acceptance | entropy range, nats | greedy_draft slope / rejection slope ± SE "
+       "| slope of the gap greedy_draft - rejection per nat [95% interval] | interval | r2 | "
+       "residual lag-1 autocorrelation |", "|---|---|---|---|---|---|---|---|"] +
+      [f"| {r['source']} | {r['metric']} | {r['entropy_range']:.3f} | {r['ratio']:.2f} ± "
+       f"{r['ratio_se']:.2f} | {r['gap_slope']:+.3f} [{r['gap_slope_ci95_low']:+.3f}, "
+       f"{r['gap_slope_ci95_high']:+.3f}] | {r['gap_interval']} | {r['gap_r2']:.2f} | "
+       f"{r['gap_residual_lag1_autocorrelation']:+.2f} |" for r in ratio_rows]) + (
+          "\n\nThe gap is fitted on the same points (paired), which the rule in force uses. "
+          + INTERVALS_NOTE + " The points and the figure are F1's.")
   f2 = common.Finding(NAME_F2, TITLE_F2, CLAIM_F2, v2, r2, ratio_body,
-                      {"ratios": ratio_rows}, ratio_rows, [figure], 0.0)
+                      {"ratios": ratio_rows, "entropy_ranges": ranges}, ratio_rows, [figure],
+                      0.0, rule=rule2)
   return [f1, f2]

@@ -20,7 +20,7 @@ from bebop_jax.findings import common
 
 def define_flags(page: bool) -> None:
   flags.DEFINE_enum("scale", "laptop", list(common.SCALES),
-                    "Budgets: smoke (seconds, the tiny model), laptop (under an hour on two "
+                    "Budgets: smoke (seconds, the tiny model), laptop (about an hour on two "
                     "CPU cores), full (the same code at larger budgets).")
   flags.DEFINE_string("workdir", None, "Directory for every stage and finding; a rerun "
                       "reuses finished stages and resumes partial ones.")

@@ -7,6 +7,9 @@ Stage outputs under a workdir, each made once and reused by every finding that n
                                  fine-tuned with <loss>, seed k (data order)
   through_rl/<arm>/              an RL stage from objectives/<loss>/seed0 with a drafter
                                  strategy (DRAFTER_ARMS)
+  entropy_rl/                    an RL stage from objectives/e2e_tv/seed0, drafter frozen, set
+                                 up to move the policy's entropy (the scale's entropy_rl_*
+                                 settings): F1/F2's points per RL step
   speedup/<arm>/                 the four RL speed arms (bebop_jax.bench_rl)
   findings/                      each finding's json, csv, md and png files
   stage_seconds.json             seconds each stage took when it ran
@@ -24,6 +27,7 @@ import ml_collections
 import numpy as np
 
 from bebop_jax import config as config_lib
+from bebop_jax.findings import stats
 from bebop_jax.train import metrics as metrics_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,40 +45,57 @@ DRAFTER_ARMS = {
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-  """The budgets of one scale; `config` is the base config file (relative to the repo)."""
+  """The budgets of one scale; `config` is the base config file (relative to the repo).
+
+  The entropy_rl_* fields set up entropy_rl/, the RL run whose steps are F1/F2's points:
+  long enough, and with a learning rate and clip range that move the policy's entropy by
+  clearly more than the 0.1 nats F1/F2's rules need (None: the base config's value).
+  """
   name: str
   config: str
   seeds: int                      # per MTP loss (F3)
   mtp_steps: int                  # MTP stage steps; 0 = the config's
-  rl_steps: int                   # per drafter arm (F4, and F1/F2's per-step points)
+  rl_steps: int                   # per drafter arm (F4)
   rl_eval_every: int
   rl_eval_examples: int           # held-out prompts per task at each RL evaluation
   periodic_every: int
   bench_steps: int                # per speed arm
-  bench_warmup: int
+  bench_warmup: int               # steps after each block's start left out (bench_rl)
   bench_eval_examples: int
   temperatures: tuple[float, ...]  # re-scoring temperatures (F1/F2)
+  bench_block_steps: int = 0      # speed arms interleaved in blocks of this many steps (the
+                                  # paired intervals are over blocks); 0 = each arm in one go
+  entropy_rl_steps: int = 0       # RL steps of entropy_rl/ (F1/F2's points per step)
+  entropy_rl_learning_rate: float | None = None  # its policy learning rate
+  entropy_rl_clip_high: float | None = None      # its upper clip (DAPO's clip-higher: 0.28)
+  entropy_rl_eval_examples: int = 16             # held-out prompts per task, before and after
   # Drop compiled programs between stages (stages.run); the smoke scale's tiny programs
   # stay, so its many stages of one model trace and compile each program once.
   release_compiled: bool = True
 
 
 SCALES = {
-    # Seconds: the tiny model, a few steps of everything; for tests.
+    # Seconds: the tiny model, a few steps of everything; for tests. entropy_rl/ keeps the
+    # base config's optimizer, so it reuses the programs the F4 arms compiled.
     "smoke": Scale("smoke", "configs/rl_tiny.py", seeds=2, mtp_steps=1, rl_steps=3,
                    rl_eval_every=3, rl_eval_examples=2, periodic_every=2, bench_steps=2,
                    bench_warmup=1, bench_eval_examples=2, temperatures=(0.7, 1.0, 2.0),
-                   release_compiled=False),
-    # Under an hour on two CPU cores: the testbed policy (configs/testbed_entropy.py).
-    "laptop": Scale("laptop", "configs/testbed_entropy.py", seeds=2, mtp_steps=0,
+                   release_compiled=False, entropy_rl_steps=4, entropy_rl_eval_examples=2),
+    # About an hour on two CPU cores: the testbed policy (configs/testbed_entropy.py).
+    "laptop": Scale("laptop", "configs/testbed_entropy.py", seeds=3, mtp_steps=0,
                     rl_steps=24, rl_eval_every=12, rl_eval_examples=64, periodic_every=6,
-                    bench_steps=16, bench_warmup=2, bench_eval_examples=32,
-                    temperatures=(0.7, 1.0, 1.3, 1.6, 2.0)),
+                    bench_steps=32, bench_warmup=2, bench_eval_examples=32,
+                    bench_block_steps=8,
+                    temperatures=(0.7, 1.0, 1.3, 1.6, 2.0), entropy_rl_steps=80,
+                    entropy_rl_learning_rate=3e-4, entropy_rl_clip_high=0.2,
+                    entropy_rl_eval_examples=16),
     # The same at larger budgets (an accelerator, or a long CPU run).
     "full": Scale("full", "configs/testbed_entropy.py", seeds=5, mtp_steps=0, rl_steps=200,
                   rl_eval_every=50, rl_eval_examples=256, periodic_every=10, bench_steps=48,
-                  bench_warmup=3, bench_eval_examples=64,
-                  temperatures=(0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 2.5)),
+                  bench_warmup=3, bench_eval_examples=64, bench_block_steps=8,
+                  temperatures=(0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 2.5), entropy_rl_steps=200,
+                  entropy_rl_learning_rate=3e-4, entropy_rl_clip_high=0.2,
+                  entropy_rl_eval_examples=64),
 }
 
 
@@ -87,7 +108,9 @@ def get_scale(name: str) -> Scale:
 @dataclasses.dataclass
 class Finding:
   """One finding's result: the paper's claim, our verdict and why, a markdown body (tables),
-  every plotted number (`data`, to json), flat rows (to csv) and figure file names."""
+  every plotted number (`data`, to json), flat rows (to csv), figure file names, and the
+  verdict rule's evaluation (rules.Rule.evaluate: every version's verdict on these data; the
+  last version's is `verdict`)."""
   name: str
   title: str
   claim: str
@@ -98,6 +121,7 @@ class Finding:
   rows: list[dict[str, Any]]
   figures: list[str]
   seconds: float = 0.0
+  rule: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.verdict not in VERDICTS:
@@ -118,31 +142,18 @@ def write_finding(f: Finding, out_dir: str) -> None:
 
 
 def section_markdown(f: Finding, figure_dir: str) -> str:
+  """A finding's section: the claim, the verdict and why, the rule (rules.markdown), the
+  tables and the figures."""
+  from bebop_jax.findings import rules  # pylint: disable=g-import-not-at-top
   figs = "\n".join(f"![{f.name}]({figure_dir}/{name})" for name in f.figures)
+  rule = f"{rules.markdown(f.rule)}\n\n" if f.rule else ""
   return (f"## {f.title}\n\n**Paper:** {f.claim}\n\n**Verdict: {f.verdict}.** {f.reason}\n\n"
-          f"{f.markdown.strip()}\n\n{figs}\n")
+          f"{rule}{f.markdown.strip()}\n\n{figs}\n")
 
 
 def fit_line(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
-  """Least squares y = intercept + slope * x: slope, intercept, r2, the slope's standard
-  error and 95% confidence interval (Student t, n - 2 degrees of freedom), points."""
-  from scipy import stats  # pylint: disable=g-import-not-at-top  (a dependency of jax)
-  x, y = np.asarray(x, float), np.asarray(y, float)
-  n = len(x)
-  spread = float(np.sum((x - x.mean()) ** 2)) if n else 0.0
-  if n < 2 or spread == 0:
-    nan = float("nan")
-    return {"slope": nan, "intercept": nan, "r2": nan, "slope_se": nan,
-            "slope_ci95": [nan, nan], "points": n}
-  slope, intercept = np.polyfit(x, y, 1)
-  resid = y - (intercept + slope * x)
-  total = float(np.sum((y - y.mean()) ** 2))
-  se = float(np.sqrt(np.sum(resid ** 2) / (n - 2) / spread)) if n > 2 else float("nan")
-  half = float(stats.t.ppf(0.975, n - 2)) * se if n > 2 else float("nan")
-  return {"slope": float(slope), "intercept": float(intercept),
-          "r2": float(1 - np.sum(resid ** 2) / total) if total > 0 else 0.0,
-          "slope_se": se, "slope_ci95": [float(slope - half), float(slope + half)],
-          "points": n}
+  """stats.fit_line: least squares with the slope's 95% Student-t interval."""
+  return stats.fit_line(x, y)
 
 
 def mean_se(values: Sequence[float] | np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -277,3 +288,26 @@ class Context:
     name = os.path.join("through_rl", arm)
     return self._run_stage(name, c, os.path.join(self.workdir, name), rl_stage.read_summary)
 
+
+  def entropy_rl_config(self) -> ml_collections.ConfigDict:
+    """The RL stage of `entropy_rl()`: from the seed-0 e2e_tv drafter, the drafter frozen,
+    the scale's entropy_rl_* settings, held-out evaluation only before and after."""
+    s = self.scale
+    c = self.rl_config(self.drafter("e2e_tv", 0), steps=s.entropy_rl_steps,
+                       eval_every=s.entropy_rl_steps, eval_examples=s.entropy_rl_eval_examples)
+    c.rl.mtp.strategy = "frozen"
+    c.rl.mtp.loss = "e2e_tv"
+    if s.entropy_rl_learning_rate is not None:
+      c.rl.optim.learning_rate = s.entropy_rl_learning_rate
+    if s.entropy_rl_clip_high is not None:
+      c.rl.clip_high = s.entropy_rl_clip_high
+    return c
+
+  def entropy_rl(self) -> str:
+    """The RL run whose steps are F1/F2's points (entropy_rl/): the policy's entropy moves
+    while the e2e_tv drafter stays frozen."""
+    from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+    if self.scale.entropy_rl_steps < 1:
+      raise ValueError(f"scale {self.scale.name!r} has no entropy_rl_steps")
+    return self._run_stage("entropy_rl", self.entropy_rl_config(),
+                           os.path.join(self.workdir, "entropy_rl"), rl_stage.read_summary)

@@ -5,6 +5,9 @@ same cached rollouts of the SFT policy, for the same number of steps; the seed c
 data order. Measured after training, by speculative decoding of the held-out prompts at the
 MTP temperature (the MTP stage's online evaluation), per task and verification mode:
 acceptance per depth and tokens per target forward, mean and standard error over seeds.
+Seed k gives every loss the same data order and starting drafter, so losses are compared
+by per-seed differences (paired) with Student-t intervals at seeds - 1 degrees of freedom
+(`comparison`). The verdict is rules.F3.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 import numpy as np
 
 from bebop_jax.findings import common
+from bebop_jax.findings import rules
+from bebop_jax.findings import stats
 
 NAME = "objectives"
 TITLE = "F3: the drafter's training objective"
@@ -82,26 +87,36 @@ def gains_over_ce(agg: list[dict], mode: str = "rejection") -> dict[str, dict]:
   return out
 
 
-def verdict(gains: dict[str, dict], seeds: int) -> tuple[str, str]:
-  e2e = gains["e2e_tv"]
-  g, se = e2e["relative_gain"], e2e["relative_gain_se"]
-  best = max(gains, key=lambda k: gains[k]["acceptance_mean"])
-  rough = "; a standard error from so few seeds is rough" if seeds < 3 else ""
-  text = (f"e2e-TV against CE: {g:+.1%} ± {se:.1%} mean acceptance over depths (rejection, "
-          f"{seeds} seeds{rough}; the paper: about +10%); best objective here: {best}.")
-  if seeds < 2 or not np.isfinite(se) or se == 0:
-    return "inconclusive", text + " One seed: no error bar."
-  if g > 2 * se and gains["tv"]["relative_gain"] > 2 * gains["tv"]["relative_gain_se"]:
-    if gains[best]["acceptance_mean"] - e2e["acceptance_mean"] <= 2 * np.hypot(
-        gains[best]["acceptance_mean_se"], e2e["acceptance_mean_se"]):
-      size = (" The ranking is the paper's; the gain is smaller than its +10%."
-              if g < PAPER_GAIN / 2 else "")
-      return "reproduced", text + " Both TV objectives beat CE beyond two standard errors." + size
-    return "inconclusive", text + (" Both TV objectives beat CE, but e2e-TV is not the best "
-                                   "within two standard errors.")
-  if g < -2 * se:
-    return "not reproduced", text + " e2e-TV is worse than CE beyond two standard errors."
-  return "inconclusive", text + " The difference is within two standard errors."
+def per_seed(rows: list[dict], mode: str = "rejection") -> dict[str, dict[int, dict]]:
+  """{loss: {seed: {"acceptance_mean", "tokens_per_target_forward"}}} on all tasks."""
+  out: dict[str, dict[int, dict]] = {}
+  for r in rows:
+    if r["mode"] == mode and r["task"] == "all":
+      out.setdefault(r["loss"], {})[r["seed"]] = {
+          "acceptance_mean": float(np.mean(r["acceptance"])),
+          "tokens_per_target_forward": float(r["tokens_per_target_forward"])}
+  return out
+
+
+def comparison(rows: list[dict], agg: list[dict], mode: str = "rejection") -> dict:
+  """What rules.F3 decides on. "paired": per loss, the per-seed relative gain in mean
+  acceptance over depths against ce (acc_loss,k / acc_ce,k - 1) with its t interval;
+  "paired_tpf": the per-seed difference in tokens per target forward; "best": the loss with
+  the highest mean acceptance; "e2e_vs_best": per-seed acc_e2e_tv,k - acc_best,k; and
+  "gains_over_ce" (gains_over_ce: standard errors of independent seeds)."""
+  by = per_seed(rows, mode)
+  seeds = sorted(set.intersection(*(set(v) for v in by.values())))
+  acc = {loss: np.asarray([by[loss][k]["acceptance_mean"] for k in seeds]) for loss in LOSSES}
+  tpf = {loss: np.asarray([by[loss][k]["tokens_per_target_forward"] for k in seeds])
+         for loss in LOSSES}
+  best = max(LOSSES, key=lambda loss: acc[loss].mean())
+  return {
+      "mode": mode, "seeds": len(seeds),
+      "paired": {loss: stats.t_interval(acc[loss] / acc["ce"] - 1.0) for loss in LOSSES},
+      "paired_tpf": {loss: stats.t_interval(tpf[loss] - tpf["ce"]) for loss in LOSSES},
+      "acceptance_mean": {loss: float(acc[loss].mean()) for loss in LOSSES},
+      "best": best, "e2e_vs_best": stats.t_interval(acc["e2e_tv"] - acc[best]),
+      "gains_over_ce": gains_over_ce(agg, mode)}
 
 
 def plot(agg: list[dict], out_dir: str, mode: str) -> str:
@@ -133,13 +148,16 @@ def plot(agg: list[dict], out_dir: str, mode: str) -> str:
     ax.set_ylim(max(lo - 0.3, 0), None)
     ax.set_title(f"{task}: tokens per target forward")
     ax.grid(alpha=0.3, axis="y")
-  fig.suptitle("Drafter objectives (mean ± standard error over seeds)")
+  fig.suptitle("Drafter objectives (mean ± standard error over seeds; the comparisons are "
+               "paired by seed, in the results table)")
   return common.save_figure(fig, out_dir, f"{NAME}_{mode}.png")
 
 
-def table(agg: list[dict], gains: dict[str, dict]) -> str:
+def table(agg: list[dict], comp: dict) -> str:
   pm = lambda m, s: f"{m:.3f}±{s:.3f}"
-  lines = ["| mode | task | loss | seeds | acceptance per depth | tokens / target forward |",
+  lines = ["Per objective, mean ± standard error over seeds (a spread, not the comparison: "
+           "that is paired, below):", "",
+           "| mode | task | loss | seeds | acceptance per depth | tokens / target forward |",
            "|---|---|---|---|---|---|"]
   for mode in common.MODES:
     for task in ("all", "math", "code", "agentic"):
@@ -151,13 +169,26 @@ def table(agg: list[dict], gains: dict[str, dict]) -> str:
         acc = " / ".join(pm(m, s) for m, s in zip(a["acceptance"], a["acceptance_se"]))
         lines.append(f"| {mode} | {task} | {loss} | {a['seeds']} | {acc} | "
                      f"{pm(a['tokens_per_target_forward'], a['tokens_per_target_forward_se'])} |")
-  lines += ["", "Against ce (rejection, all tasks): relative gain in mean acceptance over "
-            "depths, and the difference in tokens per target forward:", "",
-            "| loss | acceptance gain | tokens / forward difference |", "|---|---|---|"]
-  for loss, g in gains.items():
-    if loss != "ce":
-      lines.append(f"| {loss} | {g['relative_gain']:+.2%} ± {g['relative_gain_se']:.2%} | "
-                   f"{g['tpf_diff']:+.3f} ± {g['tpf_diff_se']:.3f} |")
+  n = comp["seeds"]
+  lines += ["", f"Against ce ({comp['mode']}, all tasks), paired by seed ({n} seeds): the mean "
+            f"of the per-seed relative gains in mean acceptance over depths and of the "
+            f"per-seed differences in tokens per target forward, each with its 95% Student-t "
+            f"interval at {n - 1} degrees of freedom (t = {stats.t_critical(n - 1):.2f}). The "
+            f"last column is the unpaired gain ± standard error of rule version 1.", "",
+            "| loss | acceptance gain [95% t interval] | tokens / forward difference [95% t "
+            "interval] | unpaired gain ± SE (version 1) |", "|---|---|---|---|"]
+  for loss in LOSSES:
+    if loss == "ce":
+      continue
+    g, d = comp["paired"][loss], comp["paired_tpf"][loss]
+    u = comp["gains_over_ce"][loss]
+    lines.append(f"| {loss} | {g['mean']:+.2%} [{g['ci95'][0]:+.2%}, {g['ci95'][1]:+.2%}] | "
+                 f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] | "
+                 f"{u['relative_gain']:+.2%} ± {u['relative_gain_se']:.2%} |")
+  if comp["best"] != "e2e_tv":
+    b = comp["e2e_vs_best"]
+    lines += ["", f"e2e_tv - {comp['best']} (the best here), per seed, mean acceptance over "
+              f"depths: {b['mean']:+.4f} [{b['ci95'][0]:+.4f}, {b['ci95'][1]:+.4f}] (95% t)."]
   return "\n".join(lines)
 
 
@@ -165,19 +196,20 @@ def run(ctx: common.Context) -> common.Finding:
   start = time.perf_counter()
   rows = collect(ctx)
   agg = aggregate(rows)
-  gains = gains_over_ce(agg)
+  comp = comparison(rows, agg)
   figures = [plot(agg, ctx.out_dir, mode) for mode in common.MODES]
-  v, reason = verdict(gains, ctx.scale.seeds)
+  v, reason, rule = rules.decide(NAME, comp)
   flat = [{"loss": r["loss"], "seed": r["seed"], "mode": r["mode"], "task": r["task"],
            **{f"acceptance_{k}": a for k, a in enumerate(r["acceptance"], 1)},
            "tokens_per_target_forward": r["tokens_per_target_forward"],
            "pass_at_1": r.get("pass_at_1", "")} for r in rows]
   body = (f"Each objective fine-tunes the same jointly trained drafter on the same cached "
-          f"rollouts for the same steps; {ctx.scale.seeds} seeds (data order) each; "
-          f"measured by speculative decoding of the held-out prompts. Mean ± standard error "
-          f"over seeds.\n\n" + table(agg, gains))
+          f"rollouts for the same steps; {ctx.scale.seeds} seeds (data order) each, seed k "
+          f"the same for every objective; measured by speculative decoding of the held-out "
+          f"prompts.\n\n" + table(agg, comp))
   f = common.Finding(NAME, TITLE, CLAIM, v, reason, body,
-                     {"aggregate": agg, "runs": rows, "gains_over_ce": gains,
-                      "paper_relative_gain": PAPER_GAIN}, flat, figures)
+                     {"aggregate": agg, "runs": rows, "comparison": comp,
+                      "gains_over_ce": comp["gains_over_ce"],
+                      "paper_relative_gain": PAPER_GAIN}, flat, figures, rule=rule)
   f.seconds = time.perf_counter() - start
   return f

@@ -6,6 +6,11 @@ every batch) and periodic e2e_tv (every `periodic_every` steps). Per RL step, th
 forced acceptance per depth of the drafter that sampled the batch, scored against the policy
 that sampled it, in rejection and greedy_draft; at each held-out evaluation, the online
 acceptance; per arm, the seconds of the online MTP updates per step.
+
+Every arm draws the same prompt batch and rollout key at step s, so arms are compared by
+step (paired): the frozen e2e_tv drafter's drift is set against the frozen ce drafter's as a
+difference of differences (`comparison`). Fits over steps are corrected for autocorrelation
+(stats.fit_series). The verdict is rules.F4.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import time
 import numpy as np
 
 from bebop_jax.findings import common
+from bebop_jax.findings import rules
+from bebop_jax.findings import stats
 
 NAME = "through_rl"
 TITLE = "F4: MTP acceptance through RL"
 CLAIM = ("an MTP drafter trained with e2e-TV before RL keeps its acceptance through RL "
          "without online updates.")
-TOLERANCE = 0.02  # acceptance points a "kept" drafter may lose over the run
+TOLERANCE = rules.MARGIN  # acceptance a "kept" drafter may lose over the run
+ARM, CONTROL = "frozen_e2e_tv", "frozen_ce"
 
 
 def collect(ctx: common.Context) -> dict[str, dict]:
@@ -48,49 +56,70 @@ def collect(ctx: common.Context) -> dict[str, dict]:
         "step_s": float(np.median([r["step_s"] for r in records])),
         "mtp_update_s": float(np.mean([r["mtp_update_s"] for r in records])),
         "mtp_update_s_total": float(s["timing"]["mtp_update_s"]),
+        "pass_at_1_delta": s["pass_at_1_delta"],
     }
   return out
 
 
+def mean_acceptance(arm: dict, mode: str = "rejection") -> np.ndarray:
+  """Per logged step: the teacher-forced acceptance, mean over depths."""
+  return np.nanmean(np.asarray(arm["tf_acceptance"][mode], float), axis=1)
+
+
 def trend(arm: dict, mode: str = "rejection") -> dict:
-  """Line fit of the mean-over-depths teacher-forced acceptance against the step, and the
-  fitted change over the run with its 95% interval."""
-  acc = np.nanmean(np.asarray(arm["tf_acceptance"][mode], float), axis=1)
+  """Line of the mean-over-depths teacher-forced acceptance against the step
+  (stats.fit_series), its fitted change over the run with the corrected interval
+  (`change_ci95`) and the uncorrected one (`ols_change_ci95`)."""
+  acc = mean_acceptance(arm, mode)
   steps = np.asarray(arm["steps"], float)
-  fit = common.fit_line(steps, acc)
-  span = float(steps[-1] - steps[0]) if len(steps) else 0.0
-  fit["change"] = fit["slope"] * span
-  fit["change_ci95"] = [c * span for c in fit["slope_ci95"]]
+  fit = stats.fit_series(steps, acc)
+  fit.update(stats.change_over_run(fit, steps))
+  fit["ols_change_ci95"] = [c * fit["span"] for c in fit["ols_slope_ci95"]]
   fit["first"], fit["last"] = float(acc[0]), float(acc[-1])
   return fit
 
 
-def _ends(values, n: int = 3) -> str:
-  """"a -> b": the means of the first and last n values."""
-  v = np.asarray(values, float)
-  return f"{v[:n].mean():.3f} -> {v[-n:].mean():.3f}"
+def difference_of_differences(arm: dict, control: dict, mode: str = "rejection") -> dict:
+  """Per step present in both: arm's acceptance - control's (the same prompts and rollout
+  key at that step), fitted against the step (stats.fit_series): the change of the
+  difference over the run is the arm's change minus the control's, with its interval."""
+  a = dict(zip(arm["steps"], mean_acceptance(arm, mode)))
+  c = dict(zip(control["steps"], mean_acceptance(control, mode)))
+  steps = np.asarray(sorted(set(a) & set(c)), float)
+  diff = np.asarray([a[s] - c[s] for s in steps], float)
+  fit = stats.fit_series(steps, diff)
+  fit.update(stats.change_over_run(fit, steps))
+  fit["steps"] = steps.tolist()
+  fit["difference"] = diff.tolist()
+  return fit
 
 
-def verdict(arms: dict, trends: dict) -> tuple[str, str]:
-  t = trends["frozen_e2e_tv"]
-  held = arms["frozen_e2e_tv"]["eval_acceptance"]["rejection"]
-  held_change = float(np.mean(held[-1]) - np.mean(held[0]))
-  online = arms["online_e2e_tv"]["eval_acceptance"]["rejection"]
-  text = (f"Frozen e2e-TV drafter, rejection, mean acceptance over depths: fitted change over "
-          f"{len(arms['frozen_e2e_tv']['steps'])} RL steps {t['change']:+.3f} (95% CI "
-          f"{t['change_ci95'][0]:+.3f} to {t['change_ci95'][1]:+.3f}); held-out "
-          f"{np.mean(held[0]):.3f} -> {np.mean(held[-1]):.3f} ({held_change:+.3f}), online "
-          f"updates end at {np.mean(online[-1]):.3f}. Over the run the policy's entropy on its "
-          f"batches went {_ends(arms['frozen_e2e_tv']['entropy'])} nats per token.")
-  lo, hi = t["change_ci95"]
-  if not np.isfinite(lo):
-    return "inconclusive", text + " Too few steps for an interval."
-  if lo > -TOLERANCE and held_change > -TOLERANCE:
-    return "reproduced", text + (f" It loses less than {TOLERANCE:.2f} (the CI's lower end), "
-                                 "without online updates.")
-  if hi < -TOLERANCE:
-    return "not reproduced", text + f" It loses more than {TOLERANCE:.2f}."
-  return "inconclusive", text + f" The interval straddles a loss of {TOLERANCE:.2f}."
+def policy_movement(arm: dict) -> dict:
+  """How far the policy moved in `arm`: the fitted change of its batch entropy over the run
+  (stats.fit_series, nats per token) and its held-out mean pass@1 change (the mean over
+  tasks of after - before on the same prompts)."""
+  steps = np.asarray(arm["steps"], float)
+  ent = np.asarray(arm["entropy"], float)
+  fit = stats.fit_series(steps, ent)
+  change = stats.change_over_run(fit, steps)
+  deltas = {t: d["delta"] for t, d in arm["pass_at_1_delta"].items()}
+  return {"entropy_change": change["change"], "entropy_change_ci95": change["change_ci95"],
+          "entropy_first_last": [float(ent[0]), float(ent[-1])] if ent.size else [],
+          **{f"entropy_{k}": v for k, v in stats.x_range(ent).items()},
+          "pass_at_1_change": float(np.mean(list(deltas.values()))) if deltas else 0.0,
+          "pass_at_1_change_per_task": deltas}
+
+
+def comparison(arms: dict) -> dict:
+  """What rules.F4 decides on: per-arm trends, held-out changes, the difference of
+  differences of ARM against CONTROL, how far ARM's policy moved, the margin and steps."""
+  trends = {arm: trend(a) for arm, a in arms.items()}
+  held = {arm: float(np.mean(a["eval_acceptance"]["rejection"][-1]) -
+                     np.mean(a["eval_acceptance"]["rejection"][0])) for arm, a in arms.items()}
+  return {"trends": trends, "held_out_change": held,
+          "control": {"arm": CONTROL, **difference_of_differences(arms[ARM], arms[CONTROL])},
+          "policy": policy_movement(arms[ARM]), "margin": TOLERANCE,
+          "steps": len(arms[ARM]["steps"])}
 
 
 def plot(arms: dict, out_dir: str) -> str:
@@ -117,27 +146,43 @@ def plot(arms: dict, out_dir: str) -> str:
   return common.save_figure(fig, out_dir, f"{NAME}.png")
 
 
-def table(arms: dict, trends: dict) -> str:
+def table(arms: dict, comp: dict) -> str:
   fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)
+  trends = comp["trends"]
   lines = ["| arm | held-out acceptance before (rejection) | after (rejection) | before "
-           "(greedy_draft) | after (greedy_draft) | change per run (rejection, fit, 95% CI) "
-           "| s/step (median) | MTP update s/step (mean) |", "|---" * 8 + "|"]
+           "(greedy_draft) | after (greedy_draft) | change per run (rejection, fit) [95% "
+           "HAC/AR(1) t interval] | residual lag-1 autocorrelation | s/step (median) | MTP "
+           "update s/step (mean) |", "|---" * 9 + "|"]
   for arm, a in arms.items():
     t = trends[arm]
     ev = a["eval_acceptance"]
     lines.append(f"| {arm} | {fmt(ev['rejection'][0])} | {fmt(ev['rejection'][-1])} | "
                  f"{fmt(ev['greedy_draft'][0])} | {fmt(ev['greedy_draft'][-1])} | "
                  f"{t['change']:+.3f} [{t['change_ci95'][0]:+.3f}, {t['change_ci95'][1]:+.3f}]"
-                 f" | {a['step_s']:.2f} | {a['mtp_update_s']:.3f} |")
+                 f" | {t['residual_lag1_autocorrelation']:+.2f} | {a['step_s']:.2f} | "
+                 f"{a['mtp_update_s']:.3f} |")
+  c, p = comp["control"], comp["policy"]
+  lines += ["", f"Difference of differences, paired by step ({len(c['steps'])} steps, the same "
+            f"prompts and rollout key in both arms): {ARM} - {CONTROL} per step, fitted over "
+            f"steps: change over the run {c['change']:+.3f} [{c['change_ci95'][0]:+.3f}, "
+            f"{c['change_ci95'][1]:+.3f}] (95% HAC/AR(1) t interval; residual lag-1 "
+            f"autocorrelation {c['residual_lag1_autocorrelation']:+.2f}).", "",
+            f"The policy in {ARM}: batch entropy {p['entropy_x_min']:.3f} to "
+            f"{p['entropy_x_max']:.3f} nats (fitted change {p['entropy_change']:+.3f} "
+            f"[{p['entropy_change_ci95'][0]:+.3f}, {p['entropy_change_ci95'][1]:+.3f}]); "
+            f"held-out mean pass@1 change {p['pass_at_1_change']:+.3f} ("
+            + ", ".join(f"{t} {d:+.3f}" for t, d in p["pass_at_1_change_per_task"].items()) +
+            f"). Rule F4 counts the policy as moved at {rules.MOVED_ENTROPY} nats of entropy "
+            f"or {rules.MOVED_PASS_AT_1} of pass@1."]
   return "\n".join(lines)
 
 
 def run(ctx: common.Context) -> common.Finding:
   start = time.perf_counter()
   arms = collect(ctx)
-  trends = {arm: trend(a) for arm, a in arms.items()}
+  comp = comparison(arms)
   figures = [plot(arms, ctx.out_dir)]
-  v, reason = verdict(arms, trends)
+  v, reason, rule = rules.decide(NAME, comp)
   rows = []
   for arm, a in arms.items():
     for i, step in enumerate(a["steps"]):
@@ -151,8 +196,8 @@ def run(ctx: common.Context) -> common.Finding:
           f"(config {os.path.relpath(ctx.config_file, common.REPO)}); held-out "
           f"acceptance on {ctx.scale.rl_eval_examples} prompts per task at steps "
           f"{first['eval_steps']}.\n\n"
-          + table(arms, trends))
+          + table(arms, comp))
   f = common.Finding(NAME, TITLE, CLAIM, v, reason, body,
-                     {"arms": arms, "trends": trends, "tolerance": TOLERANCE}, rows, figures)
+                     {"arms": arms, **comp, "tolerance": TOLERANCE}, rows, figures, rule=rule)
   f.seconds = time.perf_counter() - start
   return f
