@@ -95,6 +95,10 @@ def test_numbers_are_measured_not_constant(smoke):
   assert np.std(accs) > 0
   comp = obj["comparison"]
   assert comp["seeds"] == scale.seeds
+  # The from-scratch drafters: their own runs, compared paired by seed as well.
+  assert obj["scratch"]["seeds"] == scale.seeds
+  assert obj["scratch"]["acceptance_mean"] != comp["acceptance_mean"]
+  assert "From scratch" in _finding(workdir, "objectives")["markdown"]
   for loss in ("kl", "tv", "e2e_tv"):
     assert comp["paired"][loss]["df"] == scale.seeds - 1
   # F1/F2: raising the temperature raises the policy's entropy; the RL-step points are the
@@ -105,7 +109,7 @@ def test_numbers_are_measured_not_constant(smoke):
     ent = pts["rescoring"][mode]["entropy"]
     assert pts["rescoring"][mode]["temperature"] == list(scale.temperatures)
     assert all(b > a for a, b in zip(ent, ent[1:])), ent
-    assert pts["rl_steps"][mode]["step"] == list(range(1, scale.entropy_rl_steps + 1))
+    assert pts["rl_steps"][mode]["step"] == list(range(1, scale.rl_steps + 1))
   fits = f1["fits"]
   assert np.isfinite(fits["rescoring"]["depth1"]["rejection"]["slope"])
   for source in acceptance_entropy.SOURCES:
@@ -141,9 +145,7 @@ def test_a_rerun_reuses_every_stage(smoke):
   assert ctx.drafter("e2e_tv", 1) == str(workdir / "objectives" / "e2e_tv" / "seed1")
   ctx.drafter_arm("frozen_ce")  # complete: nothing runs
   assert json.loads((workdir / "stage_seconds.json").read_text()) == before
-  ctx.entropy_rl()
-  assert json.loads((workdir / "stage_seconds.json").read_text()) == before
-  assert set(before) >= {"base", "speedup", "entropy_rl",
+  assert set(before) >= {"base", "speedup", "objectives_scratch/ce/seed0",
                          *(f"through_rl/{a}" for a in common.DRAFTER_ARMS)}
 
 
@@ -154,19 +156,23 @@ def test_bad_scale_and_arm_are_refused(tmp_path):
     common.Context(str(tmp_path), "smoke").drafter_arm("nope")
 
 
-def test_entropy_rl_config_takes_the_scale_settings(tmp_path):
-  """The laptop scale's entropy RL run: its own steps, learning rate and clip-higher, from the
-  e2e_tv seed-0 drafter, drafter frozen (the config only; nothing runs)."""
+def test_drafter_arms_take_the_scale_settings(tmp_path):
+  """The laptop scale's F4 arms (the frozen e2e_tv one gives F1/F2's RL-step points): their
+  steps, learning rate and clip from the scale, from the seed-0 drafter of their loss (the
+  config only; nothing runs); F3 trains warm and scratch drafters over 3 seeds."""
   ctx = common.Context(str(tmp_path), "laptop")
-  ctx.drafter = lambda loss, seed: str(tmp_path / "objectives" / loss / f"seed{seed}")
-  c = ctx.entropy_rl_config()
+  ctx.drafter = lambda loss, seed, start="warm": str(tmp_path / "objectives" / loss /
+                                                     f"seed{seed}")
+  c = ctx.drafter_arm_config("frozen_e2e_tv")
   s = common.SCALES["laptop"]
   assert c.rl.init_from == str(tmp_path / "objectives" / "e2e_tv" / "seed0")
-  assert c.rl.train.num_steps == s.entropy_rl_steps
-  assert c.rl.optim.learning_rate == s.entropy_rl_learning_rate
-  assert c.rl.clip_high == s.entropy_rl_clip_high
+  assert c.rl.train.num_steps == s.rl_steps
+  assert c.rl.optim.learning_rate == s.rl_learning_rate != ctx.config().rl.optim.learning_rate
+  assert c.rl.clip_high == s.rl_clip_high
   assert c.rl.mtp.strategy == "frozen"
-  assert s.seeds >= 3
+  assert s.seeds >= 3 and s.objective_starts == ("warm", "scratch")
+  assert ctx.drafter_config("ce", 1, "scratch").mtp.reinit
+  assert not ctx.drafter_config("ce", 1).mtp.reinit
 
 
 def test_fit_line_against_numpy():

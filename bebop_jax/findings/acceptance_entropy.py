@@ -1,10 +1,10 @@
 """F1/F2: acceptance against policy entropy, for rejection sampling and greedy drafts.
 
 Two sets of points, each a (mean target entropy, acceptance) pair:
-  RL steps     one per step of the entropy RL run (common.Context.entropy_rl: the e2e_tv
-               drafter frozen, the policy trained with settings that move its entropy): the
-               batch's mean entropy at the rollout temperature and its teacher-forced
-               acceptance, scored against the policy that sampled it;
+  RL steps     one per step of F4's frozen_e2e_tv arm (common.Context.drafter_arm: the
+               e2e_tv drafter frozen, the policy trained with the scale's rl_* settings, which
+               move its entropy): the batch's mean entropy at the rollout temperature and its
+               teacher-forced acceptance, scored against the policy that sampled it;
   re-scoring   one per temperature: the held-out rollouts of the SFT policy scored by the
                e2e_tv drafter with target and draft both at temperature T (a higher T
                raises the policy's entropy, as RL's drift to more diverse outputs does).
@@ -39,12 +39,13 @@ SOURCES = ("rl_steps", "rescoring")
 METRICS = ("depth1", "mean")
 # Points in time order (one per RL step) get the autocorrelation-corrected fit.
 ORDERED = {"rl_steps": True, "rescoring": False}
+ARM = "frozen_e2e_tv"  # the F4 arm whose steps are the RL-step points
 
 
 def rl_step_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
-  """{mode: {"entropy", "depth1", "mean", "step"}} from the steps of the entropy RL run."""
+  """{mode: {"entropy", "depth1", "mean", "step"}} from the steps of the RL arm ARM."""
   from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
-  s = rl_stage.read_summary(ctx.entropy_rl())
+  s = rl_stage.read_summary(ctx.drafter_arm(ARM))
   out = {}
   for mode in common.MODES:
     acc = np.asarray([[np.nan if a is None else a for a in row]
@@ -207,20 +208,22 @@ def run(ctx: common.Context) -> list[common.Finding]:
                      "temperature": float(p["temperature"][i]) if "temperature" in p else "",
                      "entropy": float(p["entropy"][i]), "acceptance_depth1": float(p["depth1"][i]),
                      "acceptance_mean": float(p["mean"][i])})
-  rl_config = ctx.entropy_rl_config().rl
+  rl_config = ctx.config().rl
+  s = ctx.scale
   data = {"points": {src: {m: {k: v.tolist() for k, v in p.items()} for m, p in bm.items()}
                      for src, bm in points.items()},
           "fits": fit, "entropy_ranges": ranges, "temperatures": list(ctx.scale.temperatures),
-          "rl_run": {"stage": "entropy_rl", "steps": ctx.scale.entropy_rl_steps,
-                     "learning_rate": rl_config.optim.learning_rate,
-                     "clip_low": rl_config.clip_low, "clip_high": rl_config.clip_high}}
+          "rl_run": {"stage": f"through_rl/{ARM}", "steps": s.rl_steps,
+                     "learning_rate": s.rl_learning_rate or rl_config.optim.learning_rate,
+                     "clip_low": rl_config.clip_low,
+                     "clip_high": s.rl_clip_high or rl_config.clip_high}}
   rej = points["rl_steps"]["rejection"]
   drift = stats.fit_series(rej["step"], rej["entropy"])
   data["rl_run"]["entropy_change"] = stats.change_over_run(drift, rej["step"])
   rl = data["rl_run"]
   span = lambda r: f"{r['x_min']:.3f} to {r['x_max']:.3f} nats ({r['x_range']:.3f})"
-  body = (f"Points per RL step: the entropy RL run (`entropy_rl/`: {rl['steps']} steps from the "
-          f"e2e-TV drafter, drafter frozen, policy learning rate {rl['learning_rate']:g}, clip "
+  body = (f"Points per RL step: F4's {ARM} arm (`{rl['stage']}/`: {rl['steps']} steps from "
+          f"the e2e-TV drafter, drafter frozen, policy learning rate {rl['learning_rate']:g}, clip "
           f"range 1 - {rl['clip_low']:g} to 1 + {rl['clip_high']:g}); "
           f"their batch entropy spans {span(ranges['rl_steps'])}, and its line over the steps "
           f"changes by {rl['entropy_change']['change']:+.3f} nats over the run (95% HAC/AR(1) "

@@ -5,11 +5,12 @@ Stage outputs under a workdir, each made once and reused by every finding that n
   base/                          the SFT policy (the scale's config, stages ("sft",))
   objectives/<loss>/seed<k>/     an MTP stage from base/: the jointly trained drafter
                                  fine-tuned with <loss>, seed k (data order)
+  objectives_scratch/<loss>/seed<k>/
+                                 the same budget from a fresh drafter (mtp.reinit)
   through_rl/<arm>/              an RL stage from objectives/<loss>/seed0 with a drafter
-                                 strategy (DRAFTER_ARMS)
-  entropy_rl/                    an RL stage from objectives/e2e_tv/seed0, drafter frozen, set
-                                 up to move the policy's entropy (the scale's entropy_rl_*
-                                 settings): F1/F2's points per RL step
+                                 strategy (DRAFTER_ARMS), at the scale's rl_* settings, which
+                                 move the policy; the frozen_e2e_tv arm's steps are also
+                                 F1/F2's points per RL step
   speedup/<arm>/                 the four RL speed arms (bebop_jax.bench_rl)
   findings/                      each finding's json, csv, md and png files
   stage_seconds.json             seconds each stage took when it ran
@@ -32,6 +33,7 @@ from bebop_jax.train import metrics as metrics_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ("rejection", "greedy_draft")
+STARTS = ("warm", "scratch")  # F3's drafter starts (Context.drafter)
 VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 # RL drafter arms of F4: (drafter trained with, rl.mtp.strategy, rl.mtp.loss).
 DRAFTER_ARMS = {
@@ -47,10 +49,11 @@ DRAFTER_ARMS = {
 class Scale:
   """The budgets of one scale; `config` is the base config file (relative to the repo).
 
-  The entropy_rl_* fields set up entropy_rl/, the RL run whose steps are F1/F2's points:
-  long enough, and with a learning rate, clip range and update passes that move the
-  policy's entropy by clearly more than the 0.1 nats F1/F2's rules need (None: the base
-  config's value).
+  The rl_* fields set up the drafter arms of F4 (through_rl/), whose frozen e2e_tv arm's
+  steps are also F1/F2's points per RL step: long enough, and with a learning rate, clip
+  range and update passes that move the policy (its entropy by clearly more than the 0.1
+  nats F1/F2's rules need; None: the base config's value), so that keeping acceptance
+  through RL is a test a drafter can fail.
   """
   name: str
   config: str
@@ -66,43 +69,41 @@ class Scale:
   temperatures: tuple[float, ...]  # re-scoring temperatures (F1/F2)
   bench_block_steps: int = 0      # speed arms interleaved in blocks of this many steps (the
                                   # paired intervals are over blocks); 0 = each arm in one go
-  entropy_rl_steps: int = 0       # RL steps of entropy_rl/ (F1/F2's points per step)
-  entropy_rl_learning_rate: float | None = None  # its policy learning rate
-  entropy_rl_clip_high: float | None = None      # its upper clip (DAPO's clip-higher: 0.28)
-  entropy_rl_epochs: int | None = None           # its passes of policy updates per batch
-  entropy_rl_eval_examples: int = 16             # held-out prompts per task, before and after
+  rl_learning_rate: float | None = None  # the drafter arms' policy learning rate
+  rl_clip_high: float | None = None      # their upper clip (DAPO's clip-higher: 0.28)
+  rl_epochs: int | None = None           # their passes of policy updates per batch
+  objective_starts: tuple[str, ...] = ("warm",)  # F3's drafter starts: "warm" (the jointly
+                                  # trained drafter, the paper's regime) and/or "scratch"
   # Drop compiled programs between stages (stages.run); the smoke scale's tiny programs
   # stay, so its many stages of one model trace and compile each program once.
   release_compiled: bool = True
 
 
 SCALES = {
-    # Seconds: the tiny model, a few steps of everything; for tests. entropy_rl/ keeps the
-    # base config's optimizer, so it reuses the programs the F4 arms compiled.
-    "smoke": Scale("smoke", "configs/rl_tiny.py", seeds=2, mtp_steps=1, rl_steps=3,
-                   rl_eval_every=3, rl_eval_examples=2, periodic_every=2, bench_steps=2,
+    # Seconds: the tiny model, a few steps of everything; for tests.
+    "smoke": Scale("smoke", "configs/rl_tiny.py", seeds=2, mtp_steps=1, rl_steps=4,
+                   rl_eval_every=4, rl_eval_examples=2, periodic_every=2, bench_steps=2,
                    bench_warmup=1, bench_eval_examples=2, temperatures=(0.7, 1.0, 2.0),
-                   release_compiled=False, entropy_rl_steps=4, entropy_rl_eval_examples=2),
+                   release_compiled=False, objective_starts=("warm", "scratch")),
     # About an hour on two CPU cores: the testbed policy (configs/testbed_entropy.py).
     "laptop": Scale("laptop", "configs/testbed_entropy.py", seeds=3, mtp_steps=0,
-                    rl_steps=24, rl_eval_every=12, rl_eval_examples=64, periodic_every=6,
+                    rl_steps=80, rl_eval_every=40, rl_eval_examples=64, periodic_every=8,
                     bench_steps=32, bench_warmup=2, bench_eval_examples=32,
                     bench_block_steps=8,
                     temperatures=(0.7, 1.0, 1.3, 1.6, 2.0),
-                    # 3x the config's learning rate for 120 steps (about 10 minutes): the
-                    # batch entropy fell from about 0.32 to 0.24 nats (fitted change -0.10,
-                    # range 0.17). Learning rate 1e-3 with clip-higher 0.28 collapsed the
-                    # reward without a trend in entropy; two update passes per batch moved it
-                    # as far in 80 steps at more cost per step (docs/reproduce.md).
-                    entropy_rl_steps=120, entropy_rl_learning_rate=3e-4,
-                    entropy_rl_clip_high=0.2, entropy_rl_eval_examples=16),
+                    # 3x the config's learning rate for 80 steps: in a probe the batch
+                    # entropy of the frozen e2e_tv arm fell from about 0.32 to 0.24 nats
+                    # (fitted change -0.075, range 0.16). Learning rate 1e-3 with clip-higher
+                    # 0.28 collapsed the reward without a trend in entropy; two update passes
+                    # per batch moved it as far at more cost per step (docs/reproduce.md).
+                    rl_learning_rate=3e-4, rl_clip_high=0.2,
+                    objective_starts=("warm", "scratch")),
     # The same at larger budgets (an accelerator, or a long CPU run).
     "full": Scale("full", "configs/testbed_entropy.py", seeds=5, mtp_steps=0, rl_steps=200,
                   rl_eval_every=50, rl_eval_examples=256, periodic_every=10, bench_steps=48,
                   bench_warmup=3, bench_eval_examples=64, bench_block_steps=8,
-                  temperatures=(0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 2.5), entropy_rl_steps=200,
-                  entropy_rl_learning_rate=3e-4, entropy_rl_clip_high=0.2,
-                  entropy_rl_eval_examples=64),
+                  temperatures=(0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 2.5), rl_learning_rate=3e-4,
+                  rl_clip_high=0.2, objective_starts=("warm", "scratch")),
 }
 
 
@@ -258,13 +259,16 @@ class Context:
     c.stages = ("sft",)
     return self._run_stage("base", c, os.path.join(self.workdir, "base"), sft.read_summary)
 
-  def drafter_config(self, loss: str, seed: int) -> ml_collections.ConfigDict:
-    """The MTP stage of `drafter(loss, seed)`."""
+  def drafter_config(self, loss: str, seed: int, start: str = "warm"
+                     ) -> ml_collections.ConfigDict:
+    """The MTP stage of `drafter(loss, seed, start)`."""
+    if start not in STARTS:
+      raise ValueError(f"start={start!r} is not allowed: one of {STARTS}")
     c = self.config()
     c.stages = ("mtp",)
     c.mtp.loss = loss
     c.mtp.seed = seed
-    c.mtp.reinit = False
+    c.mtp.reinit = start == "scratch"
     c.mtp.eval_before = False
     c.mtp.eval_modes = MODES
     if self.scale.mtp_steps:
@@ -272,17 +276,20 @@ class Context:
       c.mtp.train.checkpoint_every = min(c.mtp.train.checkpoint_every, self.scale.mtp_steps)
     return c
 
-  def drafter(self, loss: str, seed: int) -> str:
-    """The jointly trained drafter of base/, fine-tuned with `loss` (seed: data order)."""
+  def drafter(self, loss: str, seed: int, start: str = "warm") -> str:
+    """The jointly trained drafter of base/ fine-tuned with `loss` ("warm"), or a drafter
+    trained with `loss` from a fresh initialisation at the same budget ("scratch"); the seed
+    sets the data order (and a scratch drafter's initialisation)."""
     from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
     self.base()
-    name = os.path.join("objectives", loss, f"seed{seed}")
-    return self._run_stage(name, self.drafter_config(loss, seed),
+    top = "objectives" if start == "warm" else f"objectives_{start}"
+    name = os.path.join(top, loss, f"seed{seed}")
+    return self._run_stage(name, self.drafter_config(loss, seed, start),
                            os.path.join(self.workdir, name), mtp.read_summary)
 
-  def drafter_arm(self, arm: str) -> str:
-    """The RL stage of one F4 arm (DRAFTER_ARMS), from the seed-0 drafter of its loss."""
-    from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+  def drafter_arm_config(self, arm: str) -> ml_collections.ConfigDict:
+    """The RL stage of `drafter_arm(arm)`: from the seed-0 drafter of its loss, its drafter
+    strategy, the scale's rl_* settings."""
     if arm not in DRAFTER_ARMS:
       raise ValueError(f"arm={arm!r} is not allowed: one of {tuple(DRAFTER_ARMS)}")
     trained_with, strategy, loss = DRAFTER_ARMS[arm]
@@ -292,31 +299,17 @@ class Context:
     c.rl.mtp.strategy = strategy
     c.rl.mtp.loss = loss
     c.rl.mtp.every = s.periodic_every
-    name = os.path.join("through_rl", arm)
-    return self._run_stage(name, c, os.path.join(self.workdir, name), rl_stage.read_summary)
-
-
-  def entropy_rl_config(self) -> ml_collections.ConfigDict:
-    """The RL stage of `entropy_rl()`: from the seed-0 e2e_tv drafter, the drafter frozen,
-    the scale's entropy_rl_* settings, held-out evaluation only before and after."""
-    s = self.scale
-    c = self.rl_config(self.drafter("e2e_tv", 0), steps=s.entropy_rl_steps,
-                       eval_every=s.entropy_rl_steps, eval_examples=s.entropy_rl_eval_examples)
-    c.rl.mtp.strategy = "frozen"
-    c.rl.mtp.loss = "e2e_tv"
-    if s.entropy_rl_learning_rate is not None:
-      c.rl.optim.learning_rate = s.entropy_rl_learning_rate
-    if s.entropy_rl_clip_high is not None:
-      c.rl.clip_high = s.entropy_rl_clip_high
-    if s.entropy_rl_epochs is not None:
-      c.rl.epochs = s.entropy_rl_epochs
+    if s.rl_learning_rate is not None:
+      c.rl.optim.learning_rate = s.rl_learning_rate
+    if s.rl_clip_high is not None:
+      c.rl.clip_high = s.rl_clip_high
+    if s.rl_epochs is not None:
+      c.rl.epochs = s.rl_epochs
     return c
 
-  def entropy_rl(self) -> str:
-    """The RL run whose steps are F1/F2's points (entropy_rl/): the policy's entropy moves
-    while the e2e_tv drafter stays frozen."""
+  def drafter_arm(self, arm: str) -> str:
+    """The RL stage of one F4 arm (DRAFTER_ARMS), from the seed-0 drafter of its loss."""
     from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
-    if self.scale.entropy_rl_steps < 1:
-      raise ValueError(f"scale {self.scale.name!r} has no entropy_rl_steps")
-    return self._run_stage("entropy_rl", self.entropy_rl_config(),
-                           os.path.join(self.workdir, "entropy_rl"), rl_stage.read_summary)
+    c = self.drafter_arm_config(arm)
+    name = os.path.join("through_rl", arm)
+    return self._run_stage(name, c, os.path.join(self.workdir, name), rl_stage.read_summary)
