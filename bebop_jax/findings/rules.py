@@ -227,7 +227,7 @@ F1 = Rule("acceptance_entropy", "F1", (
         "Written after version 1's verdicts on an earlier page had been seen (24 RL steps "
         "spanning 0.27-0.35 nats, r2 0.17), to stop a fit over batch-to-batch noise of a "
         "barely moving entropy, with autocorrelated points, from deciding; applied to data "
-        "measured afterwards (the dedicated entropy RL run).", f1_v2),
+        "measured afterwards (F4's frozen e2e-TV arm at settings that move the policy).", f1_v2),
 ))
 
 F2 = Rule("greedy_vs_rejection", "F2", (

@@ -1,0 +1,235 @@
+r"""The README's key results, rendered from committed artifacts only.
+
+  python experiments/key_results.py --write     # rewrite README.md's generated blocks
+  python experiments/key_results.py             # check them (exit 1 when stale)
+
+Every number in the README's generated blocks comes from a json file under docs/:
+  docs/results/<finding>.json    written by `python experiments/reproduce.py --scale=laptop
+                                 --workdir=runs/reproduce --results=docs/results.md`
+  docs/artifacts/main_job.json   the main job's summary.json, copied by
+                                 `python experiments/key_results.py --main_job=runs/quickstart`
+                                 after `python -m bebop_jax.main --config=configs/quickstart.py
+                                 --workdir=runs/quickstart`
+A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` lines; the
+text around the blocks is written by hand. tests/test_readme.py checks that the README's
+blocks are what this script renders, and that every number in them is a number of the
+artifacts at the printed precision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO, "docs", "results")
+MAIN_JOB = os.path.join(REPO, "docs", "artifacts", "main_job.json")
+README = os.path.join(REPO, "README.md")
+FINDINGS = ("acceptance_entropy", "greedy_vs_rejection", "objectives", "through_rl",
+            "speedup")
+REPRODUCE_COMMAND = ("python experiments/reproduce.py --scale=laptop --workdir=runs/reproduce "
+                     "--results=docs/results.md")
+MAIN_JOB_COMMAND = ("python -m bebop_jax.main --config=configs/quickstart.py "
+                    "--workdir=runs/quickstart")
+# The paper's findings as the paper states them, with the findings here that test each.
+CLAIMS = (
+    ("Acceptance falls linearly as policy entropy rises during RL, and far more with greedy "
+     "drafts than with probabilistic rejection-sampling verification.",
+     ("acceptance_entropy", "greedy_vs_rejection")),
+    ("The MTP drafter should be trained with per-step TV or, best, the end-to-end TV loss "
+     "(the expected multi-step accepted length), not with cross-entropy or KL.",
+     ("objectives",)),
+    ("MTP trained before RL with e2e-TV keeps its acceptance through RL without online "
+     "updates, and async GRPO-style RL with MTP rollouts runs up to 1.8x faster end to end.",
+     ("through_rl", "speedup")),
+)
+
+
+def load_findings(results_dir: str = RESULTS_DIR) -> dict[str, dict]:
+  out = {}
+  for name in FINDINGS:
+    with open(os.path.join(results_dir, f"{name}.json")) as f:
+      out[name] = json.load(f)
+  return out
+
+
+def load_main_job(path: str = MAIN_JOB) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _label(finding: dict) -> str:
+  return finding["title"].split(":")[0]
+
+
+def _ci(ci, fmt: str = "+.3f") -> str:
+  return f"[{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
+
+
+# ----------------------------------------------------------------------------- the blocks
+
+
+def claims_block(findings: dict[str, dict]) -> str:
+  """The paper's findings, each with the verdicts here."""
+  lines = []
+  for i, (claim, names) in enumerate(CLAIMS, start=1):
+    verdicts = "; ".join(f"{_label(findings[n])} **{findings[n]['verdict']}**" for n in names)
+    lines.append(f"{i}. *The paper:* {claim} *Here:* {verdicts}.")
+  reproduced = sum(f["verdict"] == "reproduced" for f in findings.values())
+  lines += ["", f"{reproduced} of {len(findings)} findings reproduced at laptop scale "
+            f"([docs/results.md](docs/results.md))."]
+  return "\n".join(lines)
+
+
+def _f1(f: dict) -> str:
+  fits = f["data"]["fits"]
+  parts = []
+  for source, label in (("rl_steps", "RL steps"), ("rescoring", "re-scoring temperatures")):
+    fit = fits[source]["depth1"]["rejection"]
+    parts.append(f"{label}: {fit['slope']:+.3f} per nat {_ci(fit['slope_ci95'])} over "
+                 f"{fit['x_range']:.2f} nats of entropy")
+  return "depth-1 acceptance against entropy, rejection sampling; " + "; ".join(parts)
+
+
+def _f2(f: dict) -> str:
+  parts = []
+  for r in f["data"]["ratios"]:
+    if r["metric"] != "depth1":
+      continue
+    label = "RL steps" if r["source"] == "rl_steps" else "re-scoring"
+    parts.append(f"{label} {r['gap_slope']:+.3f} per nat "
+                 f"{_ci([r['gap_slope_ci95_low'], r['gap_slope_ci95_high']])}")
+  return "slope of the gap greedy − rejection (depth 1): " + "; ".join(parts)
+
+
+def _f3(f: dict) -> str:
+  d = f["data"]
+  comp = d["comparison"]
+  g = lambda c, loss: (f"{c['paired'][loss]['mean']:+.1%} "
+                       f"{_ci(c['paired'][loss]['ci95'], '+.1%')}")
+  text = (f"acceptance over CE, paired by seed ({comp['seeds']} seeds, 95% t): e2e-TV "
+          f"{g(comp, 'e2e_tv')}, per-step TV {g(comp, 'tv')}, KL {g(comp, 'kl')}")
+  if d.get("scratch"):
+    text += f"; from scratch e2e-TV {g(d['scratch'], 'e2e_tv')}, TV {g(d['scratch'], 'tv')}"
+  return text
+
+
+def _f4(f: dict) -> str:
+  d = f["data"]
+  t, c = d["trends"]["frozen_e2e_tv"], d["control"]
+  return (f"frozen e2e-TV drafter over {d['steps']} RL steps: acceptance change "
+          f"{t['change']:+.3f} {_ci(t['change_ci95'])}; minus the frozen CE drafter's "
+          f"{c['change']:+.3f} {_ci(c['change_ci95'])}; policy entropy change "
+          f"{d['policy']['entropy_change']:+.3f} nats")
+
+
+def _speedup(f: dict) -> str:
+  d = f["data"]
+  names = (("speculative_async_vs_autoregressive_async", "spec./AR async"),
+           ("speculative_sync_vs_autoregressive_sync", "spec./AR sync"),
+           ("speculative_async_vs_autoregressive_sync", "spec. async / AR sync"))
+  parts = []
+  for key, label in names:
+    p = d["pairs"][key]
+    ci = "" if p["ci95"] is None else " " + _ci(p["ci95"], ".2f")
+    parts.append(f"{label} {p['measured']:.2f}x{ci}")
+  place = d["placement"]
+  where = (f"{place['devices']} {place['platform']} device(s), {place['mode']}")
+  return "per RL step, 95% t over blocks: " + ", ".join(parts) + f" ({where})"
+
+
+SUMMARIES = {"acceptance_entropy": _f1, "greedy_vs_rejection": _f2, "objectives": _f3,
+             "through_rl": _f4, "speedup": _speedup}
+
+
+def findings_block(findings: dict[str, dict]) -> str:
+  """One row per finding: what was measured, the verdict, the rule version."""
+  lines = ["| finding | measured here | verdict (rule) |", "|---|---|---|"]
+  for name in FINDINGS:
+    f = findings[name]
+    lines.append(f"| {f['title']} | {SUMMARIES[name](f)} | **{f['verdict']}** "
+                 f"({f['rule']['label']} v{f['rule']['current']}) |")
+  return "\n".join(lines)
+
+
+def main_job_block(s: dict) -> str:
+  """The main job: held-out pass@1 before and after RL, the drafter, decode speed, time."""
+  rl = s["rl"]
+  lines = ["| held-out pass@1 (T = 1) | " + " | ".join(rl["pass_at_1_before"]) + " |",
+           "|---" * (1 + len(rl["pass_at_1_before"])) + "|"]
+  row = lambda label, cells: lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  tasks = list(rl["pass_at_1_before"])
+  row("before RL", [f"{rl['pass_at_1_before'][t]:.3f} ± {rl['pass_at_1_se_before'][t]:.3f}"
+                    for t in tasks])
+  row(f"after {rl['steps']} GRPO steps",
+      [f"{rl['pass_at_1_after'][t]:.3f} ± {rl['pass_at_1_se_after'][t]:.3f}" for t in tasks])
+  row("paired difference", [f"{rl['pass_at_1_delta'][t]['delta']:+.3f} ± "
+                            f"{rl['pass_at_1_delta'][t]['se']:.3f}" for t in tasks])
+  tpf = rl["tokens_per_target_forward_before"]["rejection"]
+  tpf_after = rl["tokens_per_target_forward_after"]["rejection"]
+  speed = s["decode"]["speedup_vs_autoregressive"]
+  lines += ["", f"Its e2e-TV drafter earns {tpf:.2f} tokens per target forward before RL and "
+            f"{tpf_after:.2f} after (rejection sampling, at most 4); speculative against "
+            f"autoregressive decoding, wall clock: " +
+            ", ".join(f"{v:.2f}x at batch {b}" for b, v in speed.items()) +
+            f". The job took {s['timing']['total_s'] / 60:.1f} minutes "
+            f"(summary.json `timing`)."]
+  return "\n".join(lines)
+
+
+def render(results_dir: str = RESULTS_DIR, main_job: str = MAIN_JOB) -> dict[str, str]:
+  findings = load_findings(results_dir)
+  return {"claims": claims_block(findings), "findings": findings_block(findings),
+          "main_job": main_job_block(load_main_job(main_job))}
+
+
+# ----------------------------------------------------------------------------- README
+
+
+def _pattern(name: str) -> re.Pattern:
+  return re.compile(rf"(<!-- generated:{name} -->\n)(.*?)(\n<!-- /generated:{name} -->)",
+                    re.S)
+
+
+def blocks_of(text: str) -> dict[str, str]:
+  """{name: the block's text} of every generated block in `text`."""
+  return {m.group(1): m.group(2) for m in re.finditer(
+      r"<!-- generated:(\w+) -->\n(.*?)\n<!-- /generated:\1 -->", text, re.S)}
+
+
+def with_blocks(text: str, blocks: dict[str, str]) -> str:
+  for name, body in blocks.items():
+    pattern = _pattern(name)
+    if not pattern.search(text):
+      raise ValueError(f"README.md has no <!-- generated:{name} --> block")
+    text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(3), text)
+  return text
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1 and argv[1].startswith("--main_job="):
+    workdir = argv[1].split("=", 1)[1]
+    os.makedirs(os.path.dirname(MAIN_JOB), exist_ok=True)
+    shutil.copyfile(os.path.join(workdir, "summary.json"), MAIN_JOB)
+    print(f"copied {workdir}/summary.json to {os.path.relpath(MAIN_JOB, REPO)}")
+    return 0
+  with open(README) as f:
+    text = f.read()
+  new = with_blocks(text, render())
+  if "--write" in argv:
+    with open(README, "w") as f:
+      f.write(new)
+    print("README.md: generated blocks written")
+    return 0
+  if new != text:
+    print("README.md's generated blocks are stale: python experiments/key_results.py --write")
+    return 1
+  print("README.md's generated blocks are current")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
