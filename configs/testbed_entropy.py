@@ -10,7 +10,8 @@ that SFT samples a fresh demonstration at every visit: every structural fork
 (`diversity=1`: reduction order, equivalent programs and traced example, look-up order and
 calc forms) and the spaced writing style for half of the demonstrations. The restatement
 (math) and confirmation look-up (agentic) forks stay off: at this size they cost most of
-the pass@1 (docs/mtp.md has the measurements). No rl stage: the sweep needs the SFT policy.
+the pass@1 (docs/mtp.md has the commands that measure it). No rl stage: the sweep needs the
+SFT policy.
 """
 
 import os
