@@ -102,19 +102,8 @@ def _emit(s: DecodeState, logits: jax.Array, active: jax.Array,
           params: sampling.SamplingParams) -> DecodeState:
   """Samples x_{n+1} from p_n (`logits` [B, V]) for the active rows [B] and appends it; the
   other rows (their keys included) are left as they are."""
-  b = logits.shape[0]
-  rows = jnp.arange(b)
   rng, key = sampling.split_rows(s.rng, 2)
-  logp = sampling.sampling_logprobs(logits, params)
-  tok = sampling.sample(key, logp)
-  o = s.out
-  slot = jnp.where(active, o.lengths, o.tokens.shape[1])  # dropped for inactive rows
-  out = o.replace(
-      tokens=o.tokens.at[rows, slot].set(tok, mode="drop"),
-      policy_mask=o.policy_mask.at[rows, slot].set(True, mode="drop"),
-      logprobs=o.logprobs.at[rows, slot].set(logp[rows, tok], mode="drop"),
-      entropy=o.entropy.at[rows, slot].set(sampling.entropy(logits), mode="drop"),
-      lengths=o.lengths + active)
+  out, tok = sampling.append_sample(s.out, logits, key, active, params)
   done = jnp.where(active, batching.hits_stop(tok, s.stop) | (out.lengths >= s.limit), s.done)
   return s.replace(rng=jnp.where(active, rng, s.rng), token=jnp.where(active, tok, s.token),
                    done=done, out=out)

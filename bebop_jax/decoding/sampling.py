@@ -83,3 +83,23 @@ def row_keys(rng: jax.Array, batch: int) -> jax.Array:
 def split_rows(keys: jax.Array, num: int) -> jax.Array:
   """[num, B] fresh keys from per-row keys [B]."""
   return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, num))(keys), 0, 1)
+
+
+def append_sample(out, logits: jax.Array, key: jax.Array, active: jax.Array,
+                  params: SamplingParams):
+  """(out with one more token per active row, the tokens [B]): samples from `logits` [B, V]
+  under `params` with per-row keys [B] and writes the token, its log-prob, the raw entropy
+  and a policy-mask True at each active row's next output slot (`out.lengths`); inactive
+  rows are left as they are. `out` is a decoding output with tokens, policy_mask, logprobs,
+  entropy [B, N] and lengths [B]."""
+  rows = jnp.arange(logits.shape[0])
+  logp = sampling_logprobs(logits, params)
+  tok = sample(key, logp)
+  slot = jnp.where(active, out.lengths, out.tokens.shape[1])  # dropped for inactive rows
+  out = out.replace(
+      tokens=out.tokens.at[rows, slot].set(tok, mode="drop"),
+      policy_mask=out.policy_mask.at[rows, slot].set(True, mode="drop"),
+      logprobs=out.logprobs.at[rows, slot].set(logp[rows, tok], mode="drop"),
+      entropy=out.entropy.at[rows, slot].set(entropy(logits), mode="drop"),
+      lengths=out.lengths + active)
+  return out, tok

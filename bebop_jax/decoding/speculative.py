@@ -137,19 +137,8 @@ def _num_drafts(model, num_draft_steps: int | None) -> int:
 def _emit_sampled(s: DecodeState, logits: jax.Array, key: jax.Array, active: jax.Array,
                   params: sampling.SamplingParams) -> DecodeState:
   """Samples x_{n+1} from p_n (`logits` [B, V]) for the active rows and appends it."""
-  b = logits.shape[0]
-  rows = jnp.arange(b)
-  logp = sampling.sampling_logprobs(logits, params)
-  tok = sampling.sample(key, logp)
-  o = s.out
-  n_max = o.tokens.shape[1]
-  slot = jnp.where(active, o.lengths, n_max)
-  out = o.replace(
-      tokens=o.tokens.at[rows, slot].set(tok, mode="drop"),
-      policy_mask=o.policy_mask.at[rows, slot].set(True, mode="drop"),
-      logprobs=o.logprobs.at[rows, slot].set(logp[rows, tok], mode="drop"),
-      entropy=o.entropy.at[rows, slot].set(sampling.entropy(logits), mode="drop"),
-      lengths=o.lengths + active)
+  rows = jnp.arange(logits.shape[0])
+  out, tok = sampling.append_sample(s.out, logits, key, active, params)
   seq = s.seq.at[rows, jnp.where(active, s.frontier + 1, s.seq.shape[1])].set(tok, mode="drop")
   done = jnp.where(active, batching.hits_stop(tok, s.stop) | (out.lengths >= s.limit), s.done)
   return s.replace(seq=seq, out=out, done=done)
