@@ -190,14 +190,14 @@ def render(results_dir: str = RESULTS_DIR, main_job: str = MAIN_JOB) -> dict[str
 
 
 def _pattern(name: str) -> re.Pattern:
-  return re.compile(rf"(<!-- generated:{name} -->\n)(.*?)(\n<!-- /generated:{name} -->)",
+  return re.compile(rf"(<!-- generated:{name} -->\n)(?:(.*?)\n)?(<!-- /generated:{name} -->)",
                     re.S)
 
 
 def blocks_of(text: str) -> dict[str, str]:
   """{name: the block's text} of every generated block in `text`."""
-  return {m.group(1): m.group(2) for m in re.finditer(
-      r"<!-- generated:(\w+) -->\n(.*?)\n<!-- /generated:\1 -->", text, re.S)}
+  return {m.group(1): m.group(2) or "" for m in re.finditer(
+      r"<!-- generated:(\w+) -->\n(?:(.*?)\n)?<!-- /generated:\1 -->", text, re.S)}
 
 
 def with_blocks(text: str, blocks: dict[str, str]) -> str:
@@ -205,7 +205,8 @@ def with_blocks(text: str, blocks: dict[str, str]) -> str:
     pattern = _pattern(name)
     if not pattern.search(text):
       raise ValueError(f"README.md has no <!-- generated:{name} --> block")
-    text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(3), text)
+    text = pattern.sub(
+        lambda m, body=body: m.group(1) + (body + "\n" if body else "") + m.group(3), text)
   return text
 
 
