@@ -224,8 +224,15 @@ _PAYLOAD_MB = 192
 
 
 def _tree_bytes(path: str) -> int:
-  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
-             for f in files)
+  """Bytes under `path` so far; the writer creates and removes files (locks) meanwhile."""
+  total = 0
+  for d, _, files in os.walk(path):
+    for f in files:
+      try:
+        total += os.path.getsize(os.path.join(d, f))
+      except FileNotFoundError:
+        pass
+  return total
 
 
 @pytest.mark.parametrize("kill_when", ["writing", "parked"])
