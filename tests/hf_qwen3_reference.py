@@ -1,10 +1,11 @@
-"""An independent numpy forward of Hugging Face's Qwen3ForCausalLM, written from its published
-definition (transformers' modeling_qwen3), over the checkpoint's own tensor names:
+"""An independent numpy forward of Hugging Face's Qwen3ForCausalLM and LlamaForCausalLM,
+written from their published definitions (transformers' modeling_qwen3 and modeling_llama,
+which differ only in Qwen3's per-head q/k RMSNorm), over the checkpoint's own tensor names:
 
   RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)
   per layer:  x = RMSNorm_in(h)
               q, k, v = x Wq^T, x Wk^T, x Wv^T, split into heads of head_dim
-              q, k = RMSNorm_q(q), RMSNorm_k(k) per head, then RoPE (rotate-half,
+              (Qwen3 only) q, k = RMSNorm_q(q), RMSNorm_k(k) per head; then RoPE (rotate-half,
                      inv_freq_j = theta^(-2j/D), cos/sin of [freqs, freqs])
               grouped-query attention: query head j reads kv head j // (H / KV), causal,
                      scale 1/sqrt(D); h += attn Wo^T
@@ -50,8 +51,9 @@ def forward(tensors: Mapping[str, np.ndarray], config: Mapping, tokens: np.ndarr
     q = (x @ p("self_attn.q_proj").T).reshape(t, heads, d)
     k = (x @ p("self_attn.k_proj").T).reshape(t, kv_heads, d)
     v = (x @ p("self_attn.v_proj").T).reshape(t, kv_heads, d)
-    q = _rms_norm(q, p("self_attn.q_norm"), eps)
-    k = _rms_norm(k, p("self_attn.k_norm"), eps)
+    if f"model.layers.{i}.self_attn.q_norm.weight" in w:  # Qwen3; Llama has no q/k norm
+      q = _rms_norm(q, p("self_attn.q_norm"), eps)
+      k = _rms_norm(k, p("self_attn.k_norm"), eps)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     group = heads // kv_heads

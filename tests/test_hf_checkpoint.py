@@ -173,6 +173,40 @@ def test_import_then_export_rewrites_the_same_tensors(tmp_path):
       assert np.array_equal(f.get_tensor(name), tensors[name]), name
 
 
+def llama_config(tie: bool) -> dict:
+  return {**hf_config(tie), "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
+def llama_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+  """Random weights under Llama's names: Qwen3's without the per-head q/k norms."""
+  return {k: v for k, v in hf_tensors(config, seed).items()
+          if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_llama_import_matches_a_numpy_forward_and_exports_back(tmp_path, tie):
+  config = llama_config(tie)
+  tensors = llama_tensors(config, seed=3)
+  cfg, state = hf.import_checkpoint(write_checkpoint(tmp_path / "in", config, tensors),
+                                    mtp="fresh", attention="dense")
+  assert not cfg.qk_norm and "q_norm" not in repr(flat(state))
+  got = logits_of(cfg, state, TOKENS)
+  for b in range(TOKENS.shape[0]):
+    np.testing.assert_allclose(got[b], hf_qwen3_reference.forward(tensors, config, TOKENS[b]),
+                               rtol=1e-5, atol=1e-5)
+  hf.export_checkpoint(cfg, state, str(tmp_path / "out"))
+  written = json.load(open(tmp_path / "out" / "config.json"))
+  assert (written["architectures"], written["model_type"]) == (["LlamaForCausalLM"], "llama")
+  with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="numpy") as f:
+    assert set(f.keys()) == set(tensors)
+    for name in tensors:
+      assert np.array_equal(f.get_tensor(name), tensors[name]), name
+  # A Qwen3 config.json over Llama tensors names the missing norm.
+  qwen = write_checkpoint(tmp_path / "qwen", hf_config(tie), tensors)
+  with pytest.raises(hf.CheckpointError, match=r"self_attn\.[qk]_norm\.weight.* is missing"):
+    hf.import_checkpoint(qwen, mtp="fresh")
+
+
 def test_bfloat16_checkpoint_imports_in_bfloat16(tmp_path):
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   config = hf_config(True, torch_dtype="bfloat16")
@@ -235,7 +269,10 @@ def test_sharded_import_on_8_devices_gives_the_same_logits(tmp_path):
 @pytest.mark.parametrize("change,message", [
     (dict(architectures=["Qwen3MoeForCausalLM"]), r"architecture \['Qwen3MoeForCausalLM'\] "
      r"is not supported: only Qwen3ForCausalLM"),
-    (dict(architectures=["LlamaForCausalLM"]), "LlamaForCausalLM.*only Qwen3ForCausalLM"),
+    (dict(architectures=["MistralForCausalLM"]),
+     "MistralForCausalLM.*only Qwen3ForCausalLM or LlamaForCausalLM"),
+    (dict(architectures=["LlamaForCausalLM"], model_type="llama",
+          rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling"),
     (dict(num_experts=8), r"mixture-of-experts \(num_experts=8\)"),
     (dict(use_sliding_window=True, sliding_window=4096), "sliding-window attention"),
     (dict(layer_types=["full_attention", "sliding_attention", "full_attention"]),

@@ -1,10 +1,11 @@
-"""Hugging Face Qwen3 checkpoints in and out: `config.json` + safetensors <-> (ModelConfig,
-nnx.State).
+"""Hugging Face Qwen3 and Llama checkpoints in and out: `config.json` + safetensors <->
+(ModelConfig, nnx.State).
 
     cfg, state = hf.import_checkpoint("/ckpt/Qwen3-8B", mesh=mesh, mtp="copy_last_block")
     hf.export_checkpoint(cfg, state, "/out/qwen3-8b-mtp")   # a Qwen3ForCausalLM directory
 
-Import reads `config.json` (architecture `Qwen3ForCausalLM`) and the safetensors files (one
+Import reads `config.json` (architecture `Qwen3ForCausalLM`, or `LlamaForCausalLM`: the same
+decoder without the per-head q/k norms) and the safetensors files (one
 `model.safetensors`, or shards listed in `model.safetensors.index.json`) with the
 `safetensors` numpy API. Each parameter is built straight onto its target sharding with
 `jax.make_array_from_callback`: a device's shard is assembled from the layers it covers,
@@ -18,14 +19,14 @@ Hugging Face names (Linear weights are [out, in]) against ours (stacked over lay
     ...self_attn.q_proj.weight                [H*D, E]    layers.wq[i]   [E, H, D]
     ...self_attn.k_proj / v_proj.weight       [KV*D, E]   layers.wk / wv [E, KV, D]
     ...self_attn.o_proj.weight                [E, H*D]    layers.wo[i]   [H, D, E]
-    ...self_attn.q_norm / k_norm.weight       [D]         layers.q_norm / k_norm
+    ...self_attn.q_norm / k_norm.weight       [D]         layers.q_norm / k_norm (Qwen3)
     ...post_attention_layernorm.weight        [E]         layers.mlp_norm
     ...mlp.gate_proj / up_proj.weight         [F, E]      layers.w_gate / w_up [E, F]
     ...mlp.down_proj.weight                   [E, F]      layers.w_down  [F, E]
     model.norm.weight                         [E]         final_norm
     lm_head.weight (untied only)              [V, E]      head           [E, V]
 
-The MTP modules are not part of Qwen3: `mtp` chooses where they come from (`MTP_MODES`).
+The MTP modules are not part of Qwen3 or Llama: `mtp` chooses where they come from (`MTP_MODES`).
 Export writes them beside the model as `mtp.safetensors` (our own layout) with
 `mtp_config.json`, which the default import mode restores, so import(export(x)) is bitwise
 x. Export also writes the tokenizer files when given one.
@@ -49,6 +50,8 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 
 ARCHITECTURE = "Qwen3ForCausalLM"
+# The architectures import reads and export writes: {name: (model_type, per-head q/k norm)}.
+ARCHITECTURES = {"Qwen3ForCausalLM": ("qwen3", True), "LlamaForCausalLM": ("llama", False)}
 # auto: the MTP modules saved by export_checkpoint when the directory has them, else fresh.
 # saved: those (an error without them). fresh: a new random initialisation (seeded).
 # copy_last_block: fresh input norms and projection, each module's block a copy of the
@@ -100,20 +103,22 @@ def _unsupported(hf: Mapping[str, Any]) -> list[str]:
 def config_from_hf(hf: Mapping[str, Any], *, num_mtp_modules: int = 1,
                    num_draft_steps: int = 3, dtype: str | None = None,
                    **overrides: Any) -> ModelConfig:
-  """Our ModelConfig of a Qwen3 `config.json` dict (plus the MTP chain and `overrides`).
+  """Our ModelConfig of a Qwen3 or Llama `config.json` dict (plus the MTP chain and
+  `overrides`).
 
   Raises:
-    CheckpointError: for another architecture, or a Qwen3 feature this model lacks (MoE,
+    CheckpointError: for another architecture, or a feature this model lacks (MoE,
       sliding window, attention or MLP bias, rope scaling, another activation), naming it.
   """
   archs = list(hf.get("architectures") or [hf.get("model_type", "?")])
-  if archs != [ARCHITECTURE]:
-    raise CheckpointError(f"architecture {archs} is not supported: only {ARCHITECTURE} "
-                          "(dense Qwen3) can be imported")
+  if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    raise CheckpointError(f"architecture {archs} is not supported: only "
+                          f"{' or '.join(ARCHITECTURES)} (dense) can be imported")
+  arch = archs[0]
   found = _unsupported(hf)
   if found:
-    raise CheckpointError(f"this {ARCHITECTURE} checkpoint uses " + "; ".join(found) +
-                          ", which bebop_jax's Qwen3 decoder does not implement")
+    raise CheckpointError(f"this {arch} checkpoint uses " + "; ".join(found) +
+                          ", which bebop_jax's decoder does not implement")
   if dtype is None:
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     dtype = dtype if dtype in _DTYPES else "float32"
@@ -126,7 +131,8 @@ def config_from_hf(hf: Mapping[str, Any], *, num_mtp_modules: int = 1,
       num_layers=hf["num_hidden_layers"], num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads", heads),
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      mlp_dim=hf["intermediate_size"], rope_theta=float(theta), qk_norm=True,
+      mlp_dim=hf["intermediate_size"], rope_theta=float(theta),
+      qk_norm=ARCHITECTURES[arch][1],
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), dtype=dtype, param_dtype=dtype,
       num_mtp_modules=num_mtp_modules, num_draft_steps=num_draft_steps)
@@ -143,9 +149,11 @@ def check_matches(checkpoint: ModelConfig, model: ModelConfig, what: str) -> Non
 
 
 def config_to_hf(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
-  """The `config.json` of cfg's decoder as Qwen3ForCausalLM (the MTP chain is not in it)."""
+  """The `config.json` of cfg's decoder (the MTP chain is not in it): Qwen3ForCausalLM with
+  per-head q/k norms, LlamaForCausalLM without."""
+  arch = next(a for a, (_, qk) in ARCHITECTURES.items() if qk == cfg.qk_norm)
   hf = {
-      "architectures": [ARCHITECTURE], "model_type": "qwen3",
+      "architectures": [arch], "model_type": ARCHITECTURES[arch][0],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
       "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -307,7 +315,7 @@ def import_checkpoint(hf_dir: str, *, mesh: Mesh | None = None,
                       dtype: str | None = None, mtp: str = "auto",
                       num_draft_steps: int | None = None, num_mtp_modules: int | None = None,
                       seed: int = 0, **overrides: Any) -> tuple[ModelConfig, nnx.State]:
-  """(ModelConfig, state) of a Hugging Face Qwen3 checkpoint directory.
+  """(ModelConfig, state) of a Hugging Face Qwen3 or Llama checkpoint directory.
 
   Args:
     hf_dir: holds config.json and model.safetensors (or shards with their index).
@@ -415,14 +423,15 @@ def _host(x: jax.Array) -> np.ndarray:
 def export_checkpoint(cfg: ModelConfig, state: nnx.State, out_dir: str, *,
                       max_shard_bytes: int = 5 * 2**30, tokenizer_dir: str | None = None,
                       include_mtp: bool = True) -> list[str]:
-  """Writes cfg and state as a Hugging Face Qwen3ForCausalLM directory; returns its files.
+  """Writes cfg and state as a Hugging Face Qwen3ForCausalLM directory (LlamaForCausalLM
+  when cfg has no q/k norms); returns its files.
 
   config.json and the decoder's safetensors (shards of at most `max_shard_bytes`, with
   model.safetensors.index.json when there is more than one), in Hugging Face's names and
   layouts, the format transformers, vLLM and SGLang read; the MTP modules go to
   mtp.safetensors with mtp_config.json beside them. Tensors are fetched from the devices
   one at a time, and each shard is written and released before the next is gathered. `tokenizer_dir`: copy its tokenizer files along.
-  `include_mtp=False` writes the plain Qwen3 checkpoint only.
+  `include_mtp=False` writes the plain Qwen3 (or Llama) checkpoint only.
   """
   os.makedirs(out_dir, exist_ok=True)
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
@@ -442,6 +451,8 @@ def export_checkpoint(cfg: ModelConfig, state: nnx.State, out_dir: str, *,
   for i in range(cfg.num_layers):
     for ours in ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm",
                  "w_gate", "w_up", "w_down"):
+      if ours in ("q_norm", "k_norm") and not cfg.qk_norm:
+        continue  # Llama
       add(_hf_name(i, ours), (lambda i=i, ours=ours: _to_hf(
           ours, _host(value(("layers", ours))[i]))), _hf_shape(ours, cfg), dt)
   add("model.norm.weight", lambda: _host(value(("final_norm",))), _hf_shape("final_norm", cfg),
