@@ -274,3 +274,34 @@ def test_the_wheels_model_decodes_with_its_cache_as_the_full_forward(smollm2):
   tokens = np.asarray(sampled.tokens)[0, :new]
   np.testing.assert_allclose(np.asarray(sampled.logprobs)[0, :new],
                              full_logprobs(tokens)[np.arange(new), tokens], atol=2e-3)
+
+
+@_NEEDS_WHEEL
+def test_the_wheels_model_answers_a_chat_prompt_in_english(smollm2):
+  """The prompt is rendered by the file's own chat template; the greedy reply is English and
+  ends with the template's end-of-turn token."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+  from bebop_jax.data import chat  # pylint: disable=g-import-not-at-top
+  from bebop_jax.decoding import autoregressive, sampling  # pylint: disable=g-import-not-at-top
+  from bebop_jax.model import model as policy_lib  # pylint: disable=g-import-not-at-top
+  out, cfg, state = smollm2
+  tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+  template = chat.load_template(out)
+  prompt = tok.encode(chat.render(template, [
+      {"role": "user", "content": "Name three colors of the rainbow."}],
+                                  add_generation_prompt=True)).ids
+  end = tok.token_to_id(chat.end_of_turn(template))
+  padded = np.zeros((1, 64), np.int32)
+  padded[0, :len(prompt)] = prompt
+  got = autoregressive.generate(
+      policy_lib.abstract_state(cfg)[0], state, jnp.asarray(padded),
+      jnp.asarray([len(prompt)]), jax.random.key(0), max_new_tokens=48, cache_length=128,
+      params=sampling.SamplingParams(0.0), stop_tokens=(end,))
+  n = int(np.asarray(got.lengths)[0])
+  reply = np.asarray(got.tokens)[0, :n].tolist()
+  assert reply[-1] == end, tok.decode(reply, skip_special_tokens=False)
+  text = tok.decode(reply[:-1])
+  words = [w for w in text.replace(",", " ").replace(".", " ").split() if w.isalpha()]
+  assert len(words) >= 3 and sum(w.isascii() for w in words) == len(words), text
