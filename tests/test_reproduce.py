@@ -2,6 +2,7 @@
 real numbers, from the command a user runs (one process, one CPU device)."""
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -121,7 +122,7 @@ def test_numbers_are_measured_not_constant(smoke):
   assert not fits["rescoring"]["depth1"]["rejection"]["ordered"]
   # F4: every arm ran every step; the online and periodic arms pay for their MTP updates.
   arms = _finding(workdir, "through_rl")["data"]["arms"]
-  assert set(arms) == set(common.DRAFTER_ARMS)
+  assert set(arms) == set(scale.drafter_arms)
   for a in arms.values():
     assert a["steps"] == list(range(1, scale.rl_steps + 1))
   f4 = _finding(workdir, "through_rl")["data"]
@@ -146,7 +147,7 @@ def test_a_rerun_reuses_every_stage(smoke):
   ctx.drafter_arm("frozen_ce")  # complete: nothing runs
   assert json.loads((workdir / "stage_seconds.json").read_text()) == before
   assert set(before) >= {"base", "speedup", "objectives_scratch/ce/seed0",
-                         *(f"through_rl/{a}" for a in common.DRAFTER_ARMS)}
+                         *(f"through_rl/{a}" for a in common.SCALES["smoke"].drafter_arms)}
 
 
 def test_bad_scale_and_arm_are_refused(tmp_path):
@@ -154,6 +155,10 @@ def test_bad_scale_and_arm_are_refused(tmp_path):
     common.Context(str(tmp_path), "huge")
   with pytest.raises(ValueError, match="arm='nope' is not allowed"):
     common.Context(str(tmp_path), "smoke").drafter_arm("nope")
+  smoke = common.SCALES["smoke"]
+  for arms in (("frozen_e2e_tv", "online_e2e_tv"), ("frozen_ce", "frozen_e2e_tv", "nope")):
+    with pytest.raises(ValueError, match="with frozen_e2e_tv and frozen_ce among them"):
+      dataclasses.replace(smoke, drafter_arms=arms)
 
 
 def test_drafter_arms_take_the_scale_settings(tmp_path):

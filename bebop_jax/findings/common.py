@@ -74,6 +74,14 @@ class Scale:
   rl_epochs: int | None = None           # their passes of policy updates per batch
   objective_starts: tuple[str, ...] = ("warm",)  # F3's drafter starts: "warm" (the jointly
                                   # trained drafter, the paper's regime) and/or "scratch"
+  # F4's arms (DRAFTER_ARMS keys); the frozen e2e_tv arm and its frozen_ce control always.
+  drafter_arms: tuple[str, ...] = tuple(DRAFTER_ARMS)
+
+  def __post_init__(self):
+    unknown = set(self.drafter_arms) - set(DRAFTER_ARMS)
+    if unknown or not {"frozen_e2e_tv", "frozen_ce"} <= set(self.drafter_arms):
+      raise ValueError(f"drafter_arms={self.drafter_arms!r}: each one of {tuple(DRAFTER_ARMS)},"
+                       " with frozen_e2e_tv and frozen_ce among them")
   # Drop compiled programs between stages (stages.run); the smoke scale's tiny programs
   # stay, so its many stages of one model trace and compile each program once.
   release_compiled: bool = True
@@ -84,7 +92,11 @@ SCALES = {
     "smoke": Scale("smoke", "configs/rl_tiny.py", seeds=2, mtp_steps=1, rl_steps=4,
                    rl_eval_every=4, rl_eval_examples=2, periodic_every=2, bench_steps=2,
                    bench_warmup=1, bench_eval_examples=2, temperatures=(0.7, 1.0, 2.0),
-                   release_compiled=False, objective_starts=("warm", "scratch")),
+                   release_compiled=False, objective_starts=("warm", "scratch"),
+                   # online_e2e_tv runs the online update; online_ce would only compile the
+                   # same update with another loss.
+                   drafter_arms=("frozen_ce", "frozen_e2e_tv", "online_e2e_tv",
+                                 "periodic_e2e_tv")),
     # About an hour on two CPU cores: the testbed policy (configs/testbed_entropy.py).
     "laptop": Scale("laptop", "configs/testbed_entropy.py", seeds=3, mtp_steps=0,
                     rl_steps=80, rl_eval_every=40, rl_eval_examples=64, periodic_every=8,

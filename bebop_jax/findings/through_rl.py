@@ -39,7 +39,7 @@ def collect(ctx: common.Context) -> dict[str, dict]:
   from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   out = {}
-  for arm in common.DRAFTER_ARMS:
+  for arm in ctx.scale.drafter_arms:
     workdir = ctx.drafter_arm(arm)
     s = rl_stage.read_summary(workdir)
     records = sorted(metrics_lib.read_metrics(workdir, rl_stage.STAGE), key=lambda r: r["step"])
