@@ -44,8 +44,6 @@ ARCHITECTURES = ("llama",)
 # Pre-tokenizer types and how `tokenizers` splits text for them: "smollm" splits every digit
 # off on its own, then applies GPT-2's byte-level regex (as the SmolLM2 tokenizer does).
 PRE_TOKENIZERS = ("smollm", "gpt2", "default")
-# gguf's token types (gguf.TokenType): CONTROL tokens are special.
-_CONTROL = 3
 
 # GGUF tensor names -> Hugging Face Llama names ({i}: the layer).
 _LAYER_NAMES = {
@@ -205,6 +203,7 @@ def build_tokenizer(reader):
     raise GGUFError(f"pre-tokenizer type {pre!r} is not supported: one of {PRE_TOKENIZERS}")
   tokens = list(_required(reader, "tokenizer.ggml.tokens"))
   merges = [tuple(m.split(" ", 1)) for m in _required(reader, "tokenizer.ggml.merges")]
+  control = int(_gguf().TokenType.CONTROL)  # control tokens become special tokens
   types = list(_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
   tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                              fuse_unk=False, byte_fallback=False))
@@ -214,7 +213,7 @@ def build_tokenizer(reader):
                        if pre == "smollm" else byte_level)
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t, k in zip(tokens, types) if k == _CONTROL])
+                          for t, k in zip(tokens, types) if k == control])
   return tok
 
 

@@ -49,7 +49,6 @@ from bebop_jax import sharding
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 
-ARCHITECTURE = "Qwen3ForCausalLM"
 # The architectures import reads and export writes: {name: (model_type, per-head q/k norm)}.
 ARCHITECTURES = {"Qwen3ForCausalLM": ("qwen3", True), "LlamaForCausalLM": ("llama", False)}
 # auto: the MTP modules saved by export_checkpoint when the directory has them, else fresh.
