@@ -76,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
   # "char" (character level), or the path of a Hugging Face tokenizer.json or of a directory
   # holding one; validate() makes it the active tokenizer (bebop_jax.data.tokenizer).
   c.data.tokenizer = tokenizer_lib.CHAR
+  # True: prompts and completions in the checkpoint's chat format (its tokenizer_config.json
+  # chat template; plain-text answer lines; the template's end of turn as eos).
+  c.data.chat_format = False
   c.data.tasks = ml_collections.ConfigDict()
   for name in tasks_lib.TASK_NAMES:
     c.data.tasks[name] = ml_collections.ConfigDict(
@@ -289,6 +292,8 @@ def _validate_init_from_hf(s: Any, model: Any) -> None:
     try:
       checkpoint = hf.config_from_hf(json.load(f), num_mtp_modules=model.num_mtp_modules,
                                      num_draft_steps=model.num_draft_steps)
+      if model.vocab_size > checkpoint.vocab_size:  # grown on import (hf.import_checkpoint)
+        checkpoint = dataclasses.replace(checkpoint, vocab_size=model.vocab_size)
       hf.check_matches(checkpoint, model, f"config.sft.init_from_hf={s.init_from_hf!r}")
     except (ValueError, KeyError) as e:
       raise ConfigError(f"config.sft.init_from_hf={s.init_from_hf!r}: {e}") from e
@@ -343,7 +348,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.packing", d.packing, "must be True or False")
   if not isinstance(d.canonical_examples, int) or d.canonical_examples < 0:
     _fail("data.canonical_examples", d.canonical_examples, "must be an int >= 0")
-  tok = _validate_tokenizer(d.tokenizer)
+  tok = _validate_tokenizer(d.tokenizer, d.chat_format)
 
   total_weight = 0.0
   for name in tasks_lib.TASK_NAMES:
@@ -413,9 +418,11 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
-def _validate_tokenizer(spec: Any) -> tokenizer_lib.BaseTokenizer:
-  """data.tokenizer: loads it (the vocab check needs its size; a bad file fails here, before
-  any work)."""
+def _validate_tokenizer(spec: Any, chat_format: Any = False) -> tokenizer_lib.BaseTokenizer:
+  """data.tokenizer and data.chat_format: loads it (the vocab check needs its size; a bad
+  file fails here, before any work)."""
+  if not isinstance(chat_format, bool):
+    _fail("data.chat_format", chat_format, "must be True or False")
   allowed = (f"must be {tokenizer_lib.CHAR!r} or the path of a Hugging Face "
              f"{tokenizer_lib.HF_FILE} (or of a directory holding one)")
   if not isinstance(spec, str) or not spec:
@@ -425,7 +432,7 @@ def _validate_tokenizer(spec: Any) -> tokenizer_lib.BaseTokenizer:
     _fail("data.tokenizer", spec, f"{allowed}; there is no such file or directory"
           + ("" if path == spec else f" {path!r}"))
   try:
-    return tokenizer_lib.load_tokenizer(spec)
+    return tokenizer_lib.load_tokenizer(spec, chat_format=chat_format)
   except FileNotFoundError as e:
     _fail("data.tokenizer", spec, f"{allowed}; {e}")
   except ValueError as e:

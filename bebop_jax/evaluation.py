@@ -102,7 +102,7 @@ def demonstration_entropy(task, examples, num_samples: int) -> dict[str, float]:
   tok = get_tokenizer()
   ents = []
   for ex in examples:
-    seqs = [tuple(tok.encode(task.demonstration(ex, s), add_eos=True))
+    seqs = [tuple(tok.encode_completion(task.demonstration(ex, s)))
             for s in range(num_samples)]
     nexts = collections.defaultdict(collections.Counter)  # prefix -> next-token counts
     for seq in seqs:

@@ -117,7 +117,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   spent compiling and the persistent compilation cache's hits (metrics.compile_stats)."""
   from bebop_jax import report  # pylint: disable=g-import-not-at-top
   timing = {"started_at": time.time(), "compile": {}}
-  with tokenizer_lib.use_tokenizer(config.data.tokenizer):
+  with tokenizer_lib.use_tokenizer(tokenizer_lib.for_data(config.data)):
     for name in config_lib.STAGES:
       if name in config.stages:
         start, compiles = time.perf_counter(), metrics_lib.compile_stats()

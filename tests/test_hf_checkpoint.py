@@ -306,3 +306,28 @@ def test_missing_or_misshapen_tensors_and_files_are_named(tmp_path):
     json.dump(config, f)
   with pytest.raises(hf.CheckpointError, match="neither model.safetensors nor"):
     hf.import_checkpoint(str(tmp_path / "c"), mtp="fresh")
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_the_vocabulary_grows_by_mean_rows_and_keeps_the_old_logits(tmp_path, tie):
+  """A tokenizer that adds tokens (the task markers) grows the embedding on import: each new
+  row is the mean of the old ones, so the old tokens' logits are unchanged and a new token's
+  logit is the mean of the old logits (probability at most 1 / the old vocab size)."""
+  config = llama_config(tie)
+  path = write_checkpoint(tmp_path, config, llama_tensors(config, seed=5))
+  v = config["vocab_size"]
+  cfg0, state0 = hf.import_checkpoint(path, mtp="fresh", attention="dense")
+  cfg, state = hf.import_checkpoint(path, mtp="fresh", attention="dense", vocab_size=v + 24)
+  assert cfg.vocab_size == v + 24
+  emb = np.asarray(state["embed"][...])
+  np.testing.assert_array_equal(emb[:v], np.asarray(state0["embed"][...]))
+  np.testing.assert_allclose(emb[v:], np.broadcast_to(emb[:v].mean(0), emb[v:].shape),
+                             rtol=1e-6)
+  old, new = logits_of(cfg0, state0, TOKENS), logits_of(cfg, state, TOKENS)
+  np.testing.assert_allclose(new[..., :v], old, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(new[..., v:], np.broadcast_to(
+      old.mean(-1, keepdims=True), new[..., v:].shape), rtol=1e-4, atol=1e-4)
+  probs = jax.nn.softmax(new, axis=-1)
+  assert float(probs[..., v:].max()) <= 1.0 / v
+  with pytest.raises(hf.CheckpointError, match="smaller than the checkpoint's"):
+    hf.import_checkpoint(path, mtp="fresh", vocab_size=v - 1)

@@ -308,3 +308,88 @@ def test_the_char_tokenizer_implements_the_interface():
   assert isinstance(tok, tokenizer_lib.BaseTokenizer) and tok.fingerprint == "char"
   assert [getattr(tok, attr) for attr in ID_NAMES] == list(range(len(MARKERS)))
   assert json.dumps(tok.specials) == json.dumps(list(MARKERS))
+
+
+# ------------------------------------------------------------------ chat format
+
+# ChatML, as SmolLM2's and Qwen's checkpoints carry it.
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_dir(files, tmp_path_factory):
+  """The Qwen-like tokenizer (it has <|im_start|> and <|im_end|>) with a ChatML template."""
+  root = tmp_path_factory.mktemp("chat")
+  with open(files["qwen_like"]) as f, open(root / "tokenizer.json", "w") as g:
+    g.write(f.read())
+  (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+  return str(root)
+
+
+def test_the_chat_format_renders_prompts_through_the_template(chat_dir):
+  from bebop_jax.data import chat  # pylint: disable=g-import-not-at-top
+  tok = tokenizer_lib.load_tokenizer(chat_dir, chat_format=True)
+  plain = tokenizer_lib.load_tokenizer(chat_dir)
+  assert tok.eos_id == tok.encode("<|im_end|>")[0] != plain.eos_id
+  assert tok.fingerprint != plain.fingerprint  # cached token ids differ
+  ex = get_task("math").sample(5)
+  want = chat.render(CHATML, [{"role": "system", "content": tokenizer_lib.CHAT_SYSTEM},
+                              {"role": "user", "content": ex.prompt.rstrip("\n")}],
+                     add_generation_prompt=True)
+  assert tok.decode(tok.encode_prompt(ex.prompt)) == want
+  assert want.endswith("<|im_start|>assistant\n") and ex.prompt.rstrip() in want
+  # Without the chat format, bos and the prompt as before.
+  assert plain.encode_prompt(ex.prompt) == plain.encode(ex.prompt, add_bos=True)
+
+
+@pytest.mark.parametrize("name", ["math", "code", "agentic"])
+def test_chat_completions_answer_in_plain_text_and_end_at_the_end_of_turn(chat_dir, name):
+  tok = tokenizer_lib.load_tokenizer(chat_dir, chat_format=True)
+  task = get_task(name, **KNOBS[name])
+  added = {tok.token_id(m) for m in MARKERS}
+  for seed in range(6):
+    ex = task.sample(seed)
+    demo = task.demonstration(ex, seed)
+    ids = tok.encode_completion(demo)
+    assert ids[-1] == tok.eos_id and tok.eos_id not in ids[:-1]
+    text = tok.decode(ids[:-1])
+    assert base.ANSWER_MARKER not in text and "\n" + base.PLAIN_ANSWER in "\n" + text
+    assert task.reward(ex, text) == 1.0  # the reward reads the plain answer line
+    if name != "agentic":  # single-turn: no token the pretrained model has not seen
+      assert not added & set(ids) and not added & set(tok.encode_prompt(ex.prompt))
+    # The SFT features train on the assistant turn only, its end of turn included.
+    feats = pipeline.sft_features(ex.prompt, demo, tok)
+    n = len(tok.encode_prompt(ex.prompt))
+    assert feats["tokens"].tolist() == tok.encode_prompt(ex.prompt) + ids
+    assert not feats["loss_mask"][:n].any() and feats["loss_mask"][-1]
+
+
+def test_chat_format_errors_are_named(files, chat_dir):
+  with pytest.raises(ValueError, match="has no chat_template|cannot read a chat template"):
+    tokenizer_lib.load_tokenizer(files["qwen_like"], chat_format=True)
+  with pytest.raises(ValueError, match="the 'char' tokenizer has none"):
+    tokenizer_lib.load_tokenizer("char", chat_format=True)
+  config = _config(files["qwen_like"])
+  config.data.chat_format = True
+  with pytest.raises(config_lib.ConfigError, match=r"config.data.tokenizer=.* the chat "
+                     r"format \(data.chat_format\) needs a chat template"):
+    config_lib.validate(config)
+  config = _config(chat_dir)
+  config.data.chat_format = True
+  config_lib.validate(config)
+  try:
+    assert tokenizer_lib.get_tokenizer().end_of_turn == "<|im_end|>"
+  finally:
+    config_lib.validate(config_lib.base_config())
+
+
+def test_plain_answer_lines_are_found_where_the_marker_is():
+  find = base.extract_final_answer
+  assert find("=9\nAnswer: 9") == find("=9\n<|answer|>9") == "9"
+  assert find("Answer:9") == "9" and find("a\nAnswer: 1\nb") == "1\nb"
+  assert find("Answers: 3") is None and find("x Answer: 3") is None  # not at a line start
+  assert find("Answer: 1\n<|answer|>2") == "1\n<|answer|>2"  # the first one counts
+  assert find("<|answer|>2\nAnswer: 1") == "2\nAnswer: 1"
+  assert find("\nAnswer: " + "7" * 300) is None  # bounded, as with the marker

@@ -45,8 +45,8 @@ def sft_features(prompt: str, demonstration: str,
                  tokenizer: BaseTokenizer | None = None) -> dict[str, np.ndarray]:
   """Tokens and loss mask of one demonstration (unpadded, 1-D int32)."""
   tok = tokenizer or get_tokenizer()
-  prompt_ids = tok.encode(prompt, add_bos=True)
-  completion_ids = tok.encode(demonstration, add_eos=True)
+  prompt_ids = tok.encode_prompt(prompt)
+  completion_ids = tok.encode_completion(demonstration)
   tokens = np.asarray(prompt_ids + completion_ids, dtype=np.int32)
   mask = np.zeros(len(tokens), dtype=np.int32)
   mask[len(prompt_ids):] = 1
@@ -163,7 +163,7 @@ def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
   tok = get_tokenizer()
 
   def featurize(record):
-    ids = tok.encode(_as_str(record["prompt"]), add_bos=True)
+    ids = tok.encode_prompt(_as_str(record["prompt"]))
     if len(ids) > max_prompt_len:
       raise ValueError(f"a {record['task']} prompt has {len(ids)} tokens, more than "
                        f"max_prompt_len={max_prompt_len}; raise max_prompt_len")

@@ -17,6 +17,14 @@ an error at encode time, never dropped.
 use). A marker the file lacks is added on load as a special token after its vocabulary, so a
 stock Qwen3 tokenizer.json works as it is.
 
+Chat format (`HFTokenizer(path, chat_format=True)`, `data.chat_format`): the checkpoint's own
+chat template (tokenizer_config.json beside tokenizer.json, rendered by data/chat.py) frames
+every task prompt as a system and a user message followed by the opening of an assistant
+turn (`encode_prompt`); a completion writes its answer marker as plain text (a line
+"Answer: ...", base.PLAIN_ANSWER) and ends with the template's end-of-turn token, which is
+then `eos_id` (`encode_completion`). So a single-turn task needs no token the pretrained
+model has not seen. Multi-turn tasks keep their call and result markers (added tokens).
+
 `get_tokenizer()` is the active tokenizer, which every call site uses: the character one
 unless `set_tokenizer` / `use_tokenizer` chose another. `bebop_jax.config.validate` makes the
 config's `data.tokenizer` (`load_tokenizer(spec)`) the active one, and `bebop_jax.stages.run`
@@ -39,6 +47,9 @@ import numpy as np
 from bebop_jax.tasks import base
 
 CHARACTERS = "\n" + "".join(chr(c) for c in range(32, 127))
+# The system message of every chat-format prompt.
+CHAT_SYSTEM = ("You are a careful assistant. Work step by step, then give the final answer "
+               f"on its own line, starting with '{base.PLAIN_ANSWER.strip()}'.")
 CHAR = "char"  # the `data.tokenizer` spec of the character-level tokenizer
 HF_FILE = "tokenizer.json"
 
@@ -90,6 +101,14 @@ class BaseTokenizer(abc.ABC):
   @abc.abstractmethod
   def token_id(self, piece: str) -> int:
     """The id of one token (a special marker, or a piece of the vocabulary)."""
+
+  def encode_prompt(self, prompt: str) -> list[int]:
+    """Token ids a task prompt conditions the policy on: bos, then the prompt."""
+    return self.encode(prompt, add_bos=True)
+
+  def encode_completion(self, text: str) -> list[int]:
+    """Token ids of a completion in the task text format, ending with eos."""
+    return self.encode(text, add_eos=True)
 
   @abc.abstractmethod
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
@@ -204,7 +223,7 @@ class HFTokenizer(BaseTokenizer):
   rejected on load with a ValueError.
   """
 
-  def __init__(self, path: str, pad_to_multiple: int = 128):
+  def __init__(self, path: str, pad_to_multiple: int = 128, chat_format: bool = False):
     import tokenizers  # pylint: disable=g-import-not-at-top  # only when an HF file is chosen
     self.path = resolve_tokenizer_path(path)
     with open(self.path, "rb") as f:
@@ -228,6 +247,50 @@ class HFTokenizer(BaseTokenizer):
     self.fingerprint = "hf-" + hashlib.sha256(raw).hexdigest()[:16]
     self._unk_id = self._find_unk_id(raw)
     self._check_round_trip()
+    self.chat_template = self.end_of_turn = None
+    if chat_format:
+      self._load_chat_format()
+
+  def _load_chat_format(self) -> None:
+    from bebop_jax.data import chat  # pylint: disable=g-import-not-at-top
+    try:
+      template = chat.load_template(os.path.dirname(self.path))
+      end = chat.end_of_turn(template)
+    except chat.ChatTemplateError as e:
+      raise chat.ChatTemplateError(
+          f"the chat format (data.chat_format) needs a chat template in "
+          f"{chat.CONFIG_FILE} beside {self.path}: {e}") from e
+    if len(self.encode(end)) != 1:
+      raise ValueError(f"{self.path}: the chat template's end of turn {end!r} is not one "
+                       f"token (got {self.encode(end)}), so decoding cannot stop at it")
+    self.chat_template, self.end_of_turn = template, end
+    self._eot_id = self.encode(end)[0]
+    self.fingerprint += "-chat-" + hashlib.sha256(
+        (template + CHAT_SYSTEM).encode()).hexdigest()[:8]
+
+  @property
+  def eos_id(self) -> int:  # chat format: the template's end of turn
+    return self._eot_id if self.end_of_turn else self.token_id(base.EOS_MARKER)
+
+  def encode_prompt(self, prompt: str) -> list[int]:
+    """Chat format: the template's rendering of a system message (CHAT_SYSTEM) and the
+    prompt as the user message, with the opening of the assistant turn. Otherwise bos and
+    the prompt."""
+    if not self.end_of_turn:
+      return super().encode_prompt(prompt)
+    from bebop_jax.data import chat  # pylint: disable=g-import-not-at-top
+    text = chat.render(self.chat_template,
+                       [{"role": "system", "content": CHAT_SYSTEM},
+                        {"role": "user", "content": prompt.rstrip("\n")}],
+                       add_generation_prompt=True)
+    return self.encode(text)
+
+  def encode_completion(self, text: str) -> list[int]:
+    """Chat format: the answer marker written as plain text (base.PLAIN_ANSWER) and the
+    template's end of turn as eos. Otherwise the text and eos."""
+    if not self.end_of_turn:
+      return super().encode_completion(text)
+    return self.encode(to_plain_answer(text)) + [self._eot_id]
 
   def __repr__(self) -> str:
     return (f"HFTokenizer({self.path!r}, {self.num_used} tokens, "
@@ -328,29 +391,51 @@ def resolve_tokenizer_path(spec: str) -> str:
   return os.path.abspath(path)
 
 
+def to_plain_answer(text: str) -> str:
+  """`text` with its answer marker written as plain text: base.PLAIN_ANSWER at the start of
+  a line (the chat format's answer line)."""
+  head, marker, tail = text.partition(base.ANSWER_MARKER)
+  if not marker:
+    return text
+  sep = "" if not head or head.endswith("\n") else "\n"
+  return head + sep + base.PLAIN_ANSWER + tail
+
+
 @functools.lru_cache(maxsize=8)
-def _load_hf(path: str, mtime_ns: int, size: int, pad_to_multiple: int) -> HFTokenizer:
+def _load_hf(path: str, mtime_ns: int, size: int, pad_to_multiple: int,
+             chat_format: bool) -> HFTokenizer:
   del mtime_ns, size  # cache keys only: a changed file is loaded again
-  return HFTokenizer(path, pad_to_multiple=pad_to_multiple)
+  return HFTokenizer(path, pad_to_multiple=pad_to_multiple, chat_format=chat_format)
 
 
-def load_tokenizer(spec: str, *, pad_to_multiple: int = 128) -> BaseTokenizer:
+def load_tokenizer(spec: str, *, pad_to_multiple: int = 128,
+                   chat_format: bool = False) -> BaseTokenizer:
   """The tokenizer `data.tokenizer` names: 'char' (the shared character-level tokenizer
   with the default padding), or the path of a Hugging Face tokenizer.json or of a directory
-  holding one (loaded once per file version).
+  holding one (loaded once per file version), in the chat format when `chat_format`.
 
   Raises:
     FileNotFoundError: for a path with no tokenizer.json, naming it.
-    ValueError: for a file that does not load or does not round-trip text exactly.
+    ValueError: for a file that does not load or does not round-trip text exactly, or (chat
+      format) a directory without a usable chat template.
   """
   if not isinstance(spec, str) or not spec:
     raise ValueError(f"a tokenizer spec is {CHAR!r} or the path of a {HF_FILE} (or of a "
                      f"directory holding one), got {spec!r}")
   if spec == CHAR:
+    if chat_format:
+      raise ValueError("the chat format needs a Hugging Face tokenizer with a chat template; "
+                       f"the {CHAR!r} tokenizer has none")
     return _char_default() if pad_to_multiple == 128 else Tokenizer(pad_to_multiple)
   path = resolve_tokenizer_path(spec)
   st = os.stat(path)
-  return _load_hf(path, st.st_mtime_ns, st.st_size, pad_to_multiple)
+  return _load_hf(path, st.st_mtime_ns, st.st_size, pad_to_multiple, bool(chat_format))
+
+
+def for_data(data_config) -> BaseTokenizer:
+  """The tokenizer of a config's `data` section (`tokenizer`, `chat_format`)."""
+  return load_tokenizer(data_config.tokenizer,
+                        chat_format=bool(data_config.get("chat_format", False)))
 
 
 _DEFAULT: Tokenizer | None = None

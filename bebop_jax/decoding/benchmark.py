@@ -41,7 +41,7 @@ def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) ->
       examples += pipeline.eval_examples(config.data, name, 64)
   order = np.random.default_rng(0).permutation(len(examples))
   total = -(-max(batch, num_prompts) // batch) * batch
-  ids = [tok.encode(examples[order[i % len(order)]].prompt, add_bos=True)
+  ids = [tok.encode_prompt(examples[order[i % len(order)]].prompt)
          for i in range(total)]
   buckets = prompt_buckets or tuple(config.eval.prompt_buckets)
   return [pad_rows(ids[start:start + batch], batch, buckets) for start in range(0, total, batch)]
@@ -301,7 +301,7 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
   results = []
   for b in batch_sizes:
     examples = agentic_examples(config, b, num_prompts)
-    prompts = [tok.encode(ex.prompt, add_bos=True) for ex in examples]
+    prompts = [tok.encode_prompt(ex.prompt) for ex in examples]
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > buckets[-1]:
       raise ValueError(f"re-encoded contexts reach {longest} tokens (the longest prompt "

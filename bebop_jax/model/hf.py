@@ -34,6 +34,7 @@ x. Export also writes the tokenizer files when given one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -313,7 +314,8 @@ def import_checkpoint(hf_dir: str, *, mesh: Mesh | None = None,
                       rules: sharding.Rules = sharding.DEFAULT_RULES,
                       dtype: str | None = None, mtp: str = "auto",
                       num_draft_steps: int | None = None, num_mtp_modules: int | None = None,
-                      seed: int = 0, **overrides: Any) -> tuple[ModelConfig, nnx.State]:
+                      seed: int = 0, vocab_size: int | None = None,
+                      **overrides: Any) -> tuple[ModelConfig, nnx.State]:
   """(ModelConfig, state) of a Hugging Face Qwen3 or Llama checkpoint directory.
 
   Args:
@@ -326,6 +328,12 @@ def import_checkpoint(hf_dir: str, *, mesh: Mesh | None = None,
     num_draft_steps, num_mtp_modules: the MTP chain (None: mtp_config.json's when restoring
       saved modules, else K = 3 depths over 1 module).
     seed: initialisation of fresh MTP parameters.
+    vocab_size: grow the vocabulary to this size (None: config.json's), for a tokenizer that
+      adds tokens (the task markers) to one whose embedding has no spare rows. Each new row
+      of the embedding (and of an untied head) is the mean of the checkpoint's rows, so a new
+      token's logit is the mean of the old logits and, by Jensen's inequality, its
+      probability is at most 1 / (the checkpoint's vocab size): the pretrained model's
+      distribution barely moves (Hewitt, 2021).
     overrides: further ModelConfig fields (attention, remat, ...).
 
   Raises:
@@ -355,6 +363,12 @@ def import_checkpoint(hf_dir: str, *, mesh: Mesh | None = None,
   if num_draft_steps is not None:
     chain["num_draft_steps"] = num_draft_steps
   cfg = config_from_hf(hf, dtype=dtype, **chain, **overrides)
+  file_cfg = cfg  # the shapes the files hold
+  if vocab_size is not None and vocab_size != cfg.vocab_size:
+    if vocab_size < cfg.vocab_size:
+      raise CheckpointError(f"vocab_size={vocab_size} is smaller than the checkpoint's "
+                            f"{cfg.vocab_size}; a vocabulary can grow on import, not shrink")
+    cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
   param_dtype = _DTYPES[cfg.param_dtype]
 
   graphdef, abstract = policy_lib.abstract_state(cfg)
@@ -380,7 +394,7 @@ def import_checkpoint(hf_dir: str, *, mesh: Mesh | None = None,
     elif key == ("head",):
       name = "lm_head.weight"
     elif key[0] == "layers":
-      return _stacked_reader(tensors, key[1], cfg, list(range(cfg.num_layers)), shape)
+      return _stacked_reader(tensors, key[1], file_cfg, list(range(cfg.num_layers)), shape)
     elif source == "saved":
       name = ".".join(key)
       w = saved.get(name)
@@ -388,14 +402,22 @@ def import_checkpoint(hf_dir: str, *, mesh: Mesh | None = None,
       return lambda index: w[index]
     elif source == "copy_last_block" and key[:2] == ("mtp", "blocks"):
       last = [cfg.num_layers - 1] * cfg.num_mtp_modules
-      return _stacked_reader(tensors, key[2], cfg, last, shape)
+      return _stacked_reader(tensors, key[2], file_cfg, last, shape)
     else:
       w = fresh[key[1:]]
       return lambda index: w[index]
     w_name = name
     base = "head" if key == ("head",) else key[0]
-
-    return lambda index: _read_block(tensors, w_name, base, cfg, index, "top-level tensor")
+    if base in ("embed", "head") and cfg.vocab_size != file_cfg.vocab_size:
+      full = _read_block(tensors, w_name, base, file_cfg,
+                         (slice(None),) * len(shape), "top-level tensor")
+      axis = 0 if base == "embed" else 1  # ours: embed [V, E], head [E, V]
+      extra = cfg.vocab_size - file_cfg.vocab_size
+      grown = np.concatenate([full, np.repeat(full.mean(axis=axis, keepdims=True), extra,
+                                              axis=axis)], axis=axis)
+      return lambda index: grown[index]
+    return lambda index: _read_block(tensors, w_name, base, file_cfg, index,
+                                     "top-level tensor")
 
   def build(path, var, shard_var):
     shape = var.get_value().shape

@@ -97,7 +97,7 @@ class JaxEngine(base.RolloutEngine):
     s = self.settings
     tok = get_tokenizer()
     task_objs = [self._task(ex) for ex in examples]
-    prompts = [tok.encode(ex.prompt, add_bos=True) for ex in examples]
+    prompts = [tok.encode_prompt(ex.prompt) for ex in examples]
     envs = [task.environment(ex) for task, ex in zip(task_objs, examples)]
     stop_tokens = (tok.eos_id, tok.call_end_id)
     row_stops = np.array([[True, task.multi_turn] for task in task_objs], bool).reshape(-1, 2)

@@ -44,10 +44,10 @@ class MockEngine(base.RolloutEngine):
     prompts, episodes = [], []
     for row, ex in enumerate(examples):
       text = self.completion_fn(ex, row, seed)
-      full = tok.encode(text, add_eos=True)
+      full = tok.encode_completion(text)
       ids = full[:n_max]
       mask = ~pipeline.tool_result_mask(np.asarray(ids, np.int32), tok)
-      prompts.append(tok.encode(ex.prompt, add_bos=True))
+      prompts.append(tok.encode_prompt(ex.prompt))
       episodes.append(multi_turn.Episode(
           tokens=ids, policy_mask=mask.tolist(),
           logprobs=np.where(mask, self.logprob, 0.0).tolist(),

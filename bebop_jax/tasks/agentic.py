@@ -33,7 +33,7 @@ import random
 from typing import Any, Callable, Sequence
 
 from bebop_jax.tasks.base import (ANSWER_MARKER, StepResult, CALL_END, CALL_START, RESULT_END,
-                                  RESULT_START, Example, Task, clip_completion,
+                                  RESULT_START, Example, Task, clip_completion, find_answer,
                                   extract_final_answer)
 
 ATTRIBUTES = ("age", "city", "boss", "score")
@@ -298,7 +298,7 @@ class ToolEnvironment:
   """Executes the policy's tool calls for one example.
 
   Each `step` consumes one policy turn (the text generated since the last observation):
-    1. it contains ANSWER_MARKER -> done, reward of the answer;
+    1. it contains an answer (ANSWER_MARKER, or its plain form; base.find_answer) -> done, reward of the answer;
     2. else, on the last allowed turn (`max_turns`) -> done, reward 0;
     3. else it contains a complete call -> the FIRST call is executed and its result (or an
        error text) is the observation;
@@ -330,7 +330,7 @@ class ToolEnvironment:
       return StepResult("", True, 0.0, self.turn)
     self.turn += 1
     text = clip_completion(policy_text)
-    if ANSWER_MARKER in text:
+    if find_answer(text) is not None:
       return self._finish(self.task.reward(self.example, text))
     if self.turn >= self.max_turns:
       return self._finish(0.0)

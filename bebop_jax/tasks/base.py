@@ -8,7 +8,9 @@ the reward needs (the expected answer, held-out test cases, the tool world ...).
 Text format (all tasks):
   * The completion ends with ``ANSWER_MARKER`` followed by the final answer. The policy then
     emits the end-of-sequence token; decoded completions may or may not contain ``EOS_MARKER``
-    and rewards accept both.
+    and rewards accept both. Under a chat template (data/tokenizer.py, `data.chat_format`) the
+    marker is written as plain text, a line starting ``PLAIN_ANSWER`` ("Answer: 9"), and the
+    end of sequence is the template's end-of-turn token; rewards accept either form.
   * Multi-turn tasks: the policy emits ``CALL_START <call> CALL_END``; the environment replies
     with ``RESULT_START <result> RESULT_END``, which is appended to the context. Tool results
     are not the policy's text: everything from RESULT_START to RESULT_END inclusive is
@@ -38,6 +40,10 @@ RESULT_START = "<|result|>"
 RESULT_END = "<|/result|>"
 SPECIAL_MARKERS = (PAD_MARKER, BOS_MARKER, EOS_MARKER, ANSWER_MARKER,
                    CALL_START, CALL_END, RESULT_START, RESULT_END)
+
+# The answer marker as plain text, at the start of a line: the form an instruct model writes
+# (chat format). `find_answer` accepts it wherever ANSWER_MARKER is accepted.
+PLAIN_ANSWER = "Answer: "
 
 # Rewards look at no more than this many characters of a completion.
 MAX_COMPLETION_CHARS = 4096
@@ -78,16 +84,32 @@ def clip_completion(text: Any) -> str:
   return text[:MAX_COMPLETION_CHARS]
 
 
+def find_answer(text: str) -> int | None:
+  """Where the final answer starts in `text`: just after the first ANSWER_MARKER, or after
+  the first line that starts with PLAIN_ANSWER (its trailing space optional), whichever comes
+  first; None when neither is there. Bounded: two substring searches."""
+  found = []
+  marker = text.find(ANSWER_MARKER)
+  if marker >= 0:
+    found.append(marker + len(ANSWER_MARKER))
+  plain = PLAIN_ANSWER.rstrip()
+  line = 0 if text.startswith(plain) else text.find("\n" + plain)
+  if line >= 0:
+    found.append(line + (line > 0 or text.startswith("\n")) + len(plain))
+  return min(found) if found else None
+
+
 def extract_final_answer(completion: Any) -> str | None:
-  """The stripped text after the first ANSWER_MARKER, up to EOS or the end; None if absent.
+  """The stripped text after the first answer marker (`find_answer`), up to EOS or the end;
+  None if absent.
 
   Bounded work: the completion is clipped first and an answer over MAX_ANSWER_CHARS is None.
   """
   text = clip_completion(completion)
-  start = text.find(ANSWER_MARKER)
-  if start < 0:
+  start = find_answer(text)
+  if start is None:
     return None
-  answer = text[start + len(ANSWER_MARKER):]
+  answer = text[start:]
   end = answer.find(EOS_MARKER)
   if end >= 0:
     answer = answer[:end]

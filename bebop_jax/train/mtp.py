@@ -124,7 +124,7 @@ def _data_key(config: ml_collections.ConfigDict, split: str, num: int) -> str:
          "tasks": d.tasks.to_dict(), "data_seed": d.seed,
          "num_train": d.num_train, "num_test": d.num_test}
   if d.tokenizer != tokenizer_lib.CHAR:  # the cache holds ids; char caches keep their names
-    key["tokenizer"] = tokenizer_lib.load_tokenizer(d.tokenizer).fingerprint
+    key["tokenizer"] = tokenizer_lib.for_data(d).fingerprint
   blob = json.dumps(key, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

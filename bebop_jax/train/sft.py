@@ -133,7 +133,7 @@ def initial_policy(config: ml_collections.ConfigDict, model_cfg: ModelConfig, me
   cfg, state = hf.import_checkpoint(
       path, mesh=mesh, rules=rules, dtype=model_cfg.param_dtype, mtp=config.sft.hf_mtp,
       num_mtp_modules=model_cfg.num_mtp_modules, num_draft_steps=model_cfg.num_draft_steps,
-      seed=config.seed)
+      seed=config.seed, vocab_size=model_cfg.vocab_size)
   hf.check_matches(cfg, model_cfg, f"config.sft.init_from_hf={path!r}")
   # config.model's graph: its compute dtype, attention and remat choices over these weights.
   print(f"[sft] starting from {path} ({policy_lib.num_params(state) / 1e6:.1f}M parameters, "
