@@ -422,7 +422,8 @@ def _validate_tokenizer(spec: Any, chat_format: Any = False) -> tokenizer_lib.Ba
   """data.tokenizer and data.chat_format: loads it (the vocab check needs its size; a bad
   file fails here, before any work)."""
   if not isinstance(chat_format, bool):
-    _fail("data.chat_format", chat_format, "must be True or False")
+    _fail("data.chat_format", chat_format, "must be True or False (True: prompts and "
+          "completions in the chat template of data.tokenizer's directory; docs/usage.md)")
   allowed = (f"must be {tokenizer_lib.CHAR!r} or the path of a Hugging Face "
              f"{tokenizer_lib.HF_FILE} (or of a directory holding one)")
   if not isinstance(spec, str) or not spec:

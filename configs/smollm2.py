@@ -88,9 +88,9 @@ def get_config(arg: str | None = None):
   config.mtp.data.max_new_tokens = 64
   config.mtp.data.batch_size = 64
   config.mtp.batch_size = 8
-  config.mtp.train.num_steps = 120
-  config.mtp.train.log_every = 20
-  config.mtp.train.checkpoint_every = 40
+  config.mtp.train.num_steps = 60
+  config.mtp.train.log_every = 10
+  config.mtp.train.checkpoint_every = 30
   config.mtp.optim.learning_rate = 3e-4
   config.mtp.optim.warmup_steps = 10
 

@@ -79,6 +79,37 @@ def test_the_pipeline_runs_from_a_checkpoint_on_its_vocabulary(tmp_path, capsys)
   assert any(t.count("<|") >= 2 for t in texts)  # a marker inside the text, one token
 
 
+def test_a_drafter_trains_for_a_pretrained_chat_model_alone(tmp_path, capsys):
+  """stages=("mtp",) from a checkpoint, without SFT, in its chat format (configs/smollm2.py
+  runs this with `--config.stages='("mtp","eval")'`): the MTP stage's rollouts come from the
+  imported weights, their prompts rendered by the checkpoint's chat template."""
+  ckpt = make_tiny_qwen3.make_checkpoint(str(tmp_path / "ckpt"), d_model=32, mlp_dim=64,
+                                         head_dim=8)
+  with open(os.path.join(ckpt, "tokenizer_config.json"), "w") as f:
+    json.dump({"chat_template": CHATML}, f)
+  config = _tiny_scale(config_lib.load_file(CONFIG, ckpt), tmp_path / "data")
+  config.data.chat_format = True
+  config.stages = ("mtp",)
+  config = config_lib.validate(config)
+  workdir = str(tmp_path / "run")
+  stages.run(config, workdir)
+  assert "[mtp] no SFT stage in" in capsys.readouterr().out
+  assert os.path.exists(os.path.join(workdir, "mtp", "summary.json"))
+  assert not os.path.exists(os.path.join(workdir, "sft"))
+  tok = tokenizer_lib.load_tokenizer(ckpt, chat_format=True)
+  (path,) = glob.glob(os.path.join(workdir, "mtp_data", "train_*.npz"))
+  with np.load(path) as f:
+    texts = [tok.decode(row[:n]) for row, n in zip(f["tokens"], f["lengths"])]
+  head = f"<|im_start|>system\n{tokenizer_lib.CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+  assert texts and all(t.startswith(head) for t in texts)
+  assert all("<|im_start|>assistant\n" in t for t in texts)
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
 def test_config_needs_a_checkpoint_directory(tmp_path):
   with pytest.raises(ValueError, match="needs a checkpoint directory"):
     config_lib.load_file(CONFIG)

@@ -21,7 +21,9 @@ from bebop_jax.findings import common
 def define_flags(page: bool) -> None:
   flags.DEFINE_enum("scale", "laptop", list(common.SCALES),
                     "Budgets: smoke (seconds, the tiny model), laptop (about an hour on two "
-                    "CPU cores), full (the same code at larger budgets).")
+                    "CPU cores), full (the same code at larger budgets); real (the pretrained "
+                    "SmolLM2-135M-Instruct, configs/smollm2.py, about 100 minutes on two CPU "
+                    "cores) and real_full (it at an accelerator's budgets).")
   flags.DEFINE_string("workdir", None, "Directory for every stage and finding; a rerun "
                       "reuses finished stages and resumes partial ones.")
   flags.DEFINE_string("config", None, "Base config file (default: the scale's, "

@@ -84,9 +84,11 @@ def summary_line(findings: Sequence[common.Finding]) -> str:
 
 def write_page(ctx: common.Context, findings: Sequence[common.Finding], path: str,
                command: str, wall_s: float) -> str:
-  """The results page at `path` (figures and data under <dir>/results/); returns its text."""
+  """The results page at `path` (figures and data in the folder named as the page, e.g.
+  docs/results.md's under docs/results/); returns its text."""
   page_dir = os.path.dirname(os.path.abspath(path))
-  asset_dir = os.path.join(page_dir, "results")
+  assets = os.path.splitext(os.path.basename(path))[0]
+  asset_dir = os.path.join(page_dir, assets)
   if os.path.abspath(asset_dir) != os.path.abspath(ctx.out_dir):
     os.makedirs(asset_dir, exist_ok=True)
     for f in findings:
@@ -108,7 +110,7 @@ def write_page(ctx: common.Context, findings: Sequence[common.Finding], path: st
       f"at the `{ctx.scale.name}` scale (base config `{os.path.relpath(ctx.config_file, common.REPO)}`"
       f") on {hardware()}. Its stages took {stage_min:.1f} minutes in all, each run once "
       f"(a rerun reuses finished stages; the last run of the command took "
-      f"{wall_s / 60:.1f} minutes). Every plotted number is in `results/<finding>.json` and "
+      f"{wall_s / 60:.1f} minutes). Every plotted number is in `{assets}/<finding>.json` and "
       "`.csv`.",
       "",
       *(["The smoke scale only checks that every piece runs (the tiny model barely learns "
@@ -129,7 +131,7 @@ def write_page(ctx: common.Context, findings: Sequence[common.Finding], path: st
   lines += ["", "Seconds per stage: " + ", ".join(f"{k} {v:.0f}" for k, v in ledger.items()) +
             ".", ""]
   for f in ordered:
-    lines += [common.section_markdown(f, figure_dir="results"), ""]
+    lines += [common.section_markdown(f, figure_dir=assets), ""]
   text = "\n".join(lines)
   with open(path, "w") as fh:
     fh.write(text)

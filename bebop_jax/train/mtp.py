@@ -345,9 +345,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return done
   m = config.mtp
   source = sft_workdir(config, workdir)
-  if sft.read_summary(source) is None:
+  if sft.read_summary(source) is None and not sft.uses_pretrained(config, source):
     raise FileNotFoundError(f"the MTP stage needs a completed SFT stage in {source} "
-                            "(run the 'sft' stage first, or set mtp.init_from)")
+                            "(run the 'sft' stage first, set mtp.init_from, or start from "
+                            "a pretrained checkpoint with sft.init_from_hf)")
+  if sft.uses_pretrained(config, source):
+    print(f"[mtp] no SFT stage in {source}: the drafter is trained for the pretrained "
+          f"policy {config.sft.init_from_hf}")
   os.makedirs(stage_dir(workdir), exist_ok=True)
   stage_start = time.perf_counter()
   timing = {}

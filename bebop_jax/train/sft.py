@@ -94,8 +94,11 @@ def policy_entropy(config: ml_collections.ConfigDict, graphdef, params) -> dict[
 def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
                 ) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, parameters) of the SFT policy saved in `workdir` (latest step by default),
-  on the default device."""
+  on the default device. With `sft.init_from_hf` and no SFT stage in `workdir` (e.g.
+  `stages=("mtp", "eval")`), the pretrained checkpoint itself."""
   model_cfg = ModelConfig.from_dict(config.model.to_dict())
+  if uses_pretrained(config, workdir):
+    return nnx.split(initial_policy(config, model_cfg, None, sharding.DEFAULT_RULES))
   model = nnx.eval_shape(lambda: policy_lib.Policy(model_cfg, rngs=nnx.Rngs(0)))
   graphdef, trainable, frozen = nnx.split(
       model, optimizer_lib.trainable_filter(config.sft.optim.trainable), ...)
@@ -104,6 +107,12 @@ def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | Non
       os.path.join(stage_dir(workdir), "checkpoints"), trainable, tx, step)
   params = jax.device_put(frozen, jax.devices()[0]) if len(frozen) else frozen
   return graphdef, nnx.merge_state(restored, params)
+
+
+def uses_pretrained(config: ml_collections.ConfigDict, workdir: str) -> bool:
+  """Whether the policy of `workdir` is `sft.init_from_hf` as it is: no SFT stage ran there."""
+  return bool(config.sft.init_from_hf) and not os.path.isdir(
+      os.path.join(stage_dir(workdir), "checkpoints"))
 
 
 def mtp_depths(config: ml_collections.ConfigDict) -> int:
