@@ -116,11 +116,12 @@ SCALES = {
                   bench_warmup=3, bench_eval_examples=64, bench_block_steps=8,
                   temperatures=(0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 2.5), rl_learning_rate=3e-4,
                   rl_clip_high=0.2, objective_starts=("warm", "scratch")),
-    # The real pretrained policy, SmolLM2-135M-Instruct (configs/smollm2.py), within about
-    # 100 minutes on two CPU cores: F3 over 2 seeds, F4 with the frozen e2e-TV drafter and its
-    # CE control through a short RL run (also F1/F2's points per RL step).
-    "real": Scale("real", "configs/smollm2.py", seeds=2, mtp_steps=60, rl_steps=16,
-                  rl_eval_every=8, rl_eval_examples=32, periodic_every=4, bench_steps=8,
+    # The real pretrained policy, SmolLM2-135M-Instruct (configs/smollm2.py), sized for about
+    # 100 minutes on two CPU cores (an MTP step of this model is ~14 s there): F3 over 2 seeds
+    # of short drafter runs, F4 with the frozen e2e-TV drafter and its CE control through a
+    # short RL run (also F1/F2's points per RL step).
+    "real": Scale("real", "configs/smollm2.py", seeds=2, mtp_steps=15, rl_steps=12,
+                  rl_eval_every=6, rl_eval_examples=32, periodic_every=4, bench_steps=8,
                   bench_warmup=1, bench_eval_examples=16, bench_block_steps=4,
                   temperatures=(0.3, 0.5, 0.7, 1.0, 1.3), rl_learning_rate=2e-5,
                   drafter_arms=("frozen_ce", "frozen_e2e_tv")),
