@@ -10,6 +10,10 @@ Every number in the README's generated blocks comes from a json file under docs/
                                  `python experiments/key_results.py --main_job=runs/quickstart`
                                  after `python -m bebop_jax.main --config=configs/quickstart.py
                                  --workdir=runs/quickstart`
+  docs/artifacts/smollm2_main_job.json, docs/artifacts/smollm2_bench_decode.json
+                                 the real policy (SMOLLM2_COMMAND, copied by
+                                 `--main_job=runs/smollm2 --as=smollm2_main_job.json`, and
+                                 SMOLLM2_BENCH_COMMAND)
 A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` lines; the
 text around the blocks is written by hand. tests/test_readme.py checks that the README's
 blocks are what this script renders, and that every number in them is a number of the
@@ -32,6 +36,14 @@ FINDINGS = ("acceptance_entropy", "greedy_vs_rejection", "objectives", "through_
             "speedup")
 REPRODUCE_COMMAND = ("python experiments/reproduce.py --scale=laptop --workdir=runs/reproduce "
                      "--results=docs/results.md")
+SMOLLM2_JOB = os.path.join(REPO, "docs", "artifacts", "smollm2_main_job.json")
+SMOLLM2_BENCH = os.path.join(REPO, "docs", "artifacts", "smollm2_bench_decode.json")
+SMOLLM2_COMMAND = ("python -m bebop_jax.main --config=configs/smollm2.py "
+                   "--workdir=runs/smollm2")
+SMOLLM2_BENCH_COMMAND = ("python experiments/bench_decode.py --config=configs/smollm2.py "
+                         "--workdir=runs/smollm2 --batch_sizes=1,8,64 --temperatures=1,0.7 "
+                         "--modes=rejection --max_new_tokens=64 --num_prompts=64 "
+                         "--out=docs/artifacts/smollm2_bench_decode.json")
 MAIN_JOB_COMMAND = ("python -m bebop_jax.main --config=configs/quickstart.py "
                     "--workdir=runs/quickstart")
 # The paper's findings as the paper states them, with the findings here that test each.
@@ -158,16 +170,7 @@ def findings_block(findings: dict[str, dict]) -> str:
 def main_job_block(s: dict) -> str:
   """The main job: held-out pass@1 before and after RL, the drafter, decode speed, time."""
   rl = s["rl"]
-  lines = ["| held-out pass@1 (T = 1) | " + " | ".join(rl["pass_at_1_before"]) + " |",
-           "|---" * (1 + len(rl["pass_at_1_before"])) + "|"]
-  row = lambda label, cells: lines.append(f"| {label} | " + " | ".join(cells) + " |")
-  tasks = list(rl["pass_at_1_before"])
-  row("before RL", [f"{rl['pass_at_1_before'][t]:.3f} ± {rl['pass_at_1_se_before'][t]:.3f}"
-                    for t in tasks])
-  row(f"after {rl['steps']} GRPO steps",
-      [f"{rl['pass_at_1_after'][t]:.3f} ± {rl['pass_at_1_se_after'][t]:.3f}" for t in tasks])
-  row("paired difference", [f"{rl['pass_at_1_delta'][t]['delta']:+.3f} ± "
-                            f"{rl['pass_at_1_delta'][t]['se']:.3f}" for t in tasks])
+  lines = _pass_at_1_rows(rl)
   tpf = rl["tokens_per_target_forward_before"]["rejection"]
   tpf_after = rl["tokens_per_target_forward_after"]["rejection"]
   speed = s["decode"]["speedup_vs_autoregressive"]
@@ -180,10 +183,55 @@ def main_job_block(s: dict) -> str:
   return "\n".join(lines)
 
 
+def _pass_at_1_rows(rl: dict) -> list[str]:
+  """The pass@1 table of an RL stage summary: before, after and the paired difference."""
+  tasks = list(rl["pass_at_1_before"])
+  lines = ["| held-out pass@1 (T = 1) | " + " | ".join(tasks) + " |",
+           "|---" * (1 + len(tasks)) + "|"]
+  row = lambda label, cells: lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  row("before RL", [f"{rl['pass_at_1_before'][t]:.3f} ± {rl['pass_at_1_se_before'][t]:.3f}"
+                    for t in tasks])
+  row(f"after {rl['steps']} GRPO steps",
+      [f"{rl['pass_at_1_after'][t]:.3f} ± {rl['pass_at_1_se_after'][t]:.3f}" for t in tasks])
+  row("paired difference", [f"{rl['pass_at_1_delta'][t]['delta']:+.3f} ± "
+                            f"{rl['pass_at_1_delta'][t]['se']:.3f}" for t in tasks])
+  return lines
+
+
+def real_policy_block(s: dict, bench: dict | None) -> str:
+  """The real policy: pass@1 before and after RL, its drafter, and wall clock by batch and
+  temperature (speculative with rejection sampling against autoregressive decoding)."""
+  rl = s["rl"]
+  lines = _pass_at_1_rows(rl)
+  tpf = rl["tokens_per_target_forward_before"]["rejection"]
+  tpf_after = rl["tokens_per_target_forward_after"]["rejection"]
+  lines += ["", f"Its e2e-TV drafter (K = 3) earns {tpf:.2f} tokens per target forward before "
+            f"RL and {tpf_after:.2f} after (rejection sampling, at most 4). Its eval stage took "
+            f"{s['timing']['eval_s'] / 60:.1f} minutes (`{SMOLLM2_COMMAND}`, summary.json "
+            "`timing`; every stage's time is in docs/main_job.md). Speculative (rejection sampling) against autoregressive decoding, one "
+            "process: " + (
+                "the SFT policy with its trained drafter (the MTP stage's checkpoint), "
+                f"`{SMOLLM2_BENCH_COMMAND}`:" if bench else
+                "the job's eval stage, on the SFT policy with its trained drafter (summary.json "
+                "`decode.benchmark`):"), "",
+            "| batch | T | wall clock spec. / AR | tokens per target forward | acceptance "
+            "per depth |", "|---|---|---|---|---|"]
+  for r in (bench or s["decode"])["results" if bench else "benchmark"]:
+    if r["mode"] != "rejection":
+      continue
+    acc = ", ".join(f"{a:.2f}" for a in r["acceptance_online"])
+    lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['speedup']:.2f}x | "
+                 f"{r['tokens_per_target_forward']:.2f} | {acc} |")
+  return "\n".join(lines)
+
+
 def render(results_dir: str = RESULTS_DIR, main_job: str = MAIN_JOB) -> dict[str, str]:
   findings = load_findings(results_dir)
   return {"claims": claims_block(findings), "findings": findings_block(findings),
-          "main_job": main_job_block(load_main_job(main_job))}
+          "main_job": main_job_block(load_main_job(main_job)),
+          "real_policy": real_policy_block(
+              load_main_job(SMOLLM2_JOB),
+              load_main_job(SMOLLM2_BENCH) if os.path.exists(SMOLLM2_BENCH) else None)}
 
 
 # ----------------------------------------------------------------------------- README
@@ -213,9 +261,12 @@ def with_blocks(text: str, blocks: dict[str, str]) -> str:
 def main(argv: list[str]) -> int:
   if len(argv) > 1 and argv[1].startswith("--main_job="):
     workdir = argv[1].split("=", 1)[1]
-    os.makedirs(os.path.dirname(MAIN_JOB), exist_ok=True)
-    shutil.copyfile(os.path.join(workdir, "summary.json"), MAIN_JOB)
-    print(f"copied {workdir}/summary.json to {os.path.relpath(MAIN_JOB, REPO)}")
+    target = MAIN_JOB
+    if len(argv) > 2 and argv[2].startswith("--as="):
+      target = os.path.join(os.path.dirname(MAIN_JOB), argv[2].split("=", 1)[1])
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.copyfile(os.path.join(workdir, "summary.json"), target)
+    print(f"copied {workdir}/summary.json to {os.path.relpath(target, REPO)}")
     return 0
   with open(README) as f:
     text = f.read()
