@@ -40,10 +40,12 @@ SMOLLM2_JOB = os.path.join(REPO, "docs", "artifacts", "smollm2_main_job.json")
 SMOLLM2_BENCH = os.path.join(REPO, "docs", "artifacts", "smollm2_bench_decode.json")
 SMOLLM2_COMMAND = ("python -m bebop_jax.main --config=configs/smollm2.py "
                    "--workdir=runs/smollm2")
-SMOLLM2_BENCH_COMMAND = ("python experiments/bench_decode.py --config=configs/smollm2.py "
-                         "--workdir=runs/smollm2 --batch_sizes=1,8,64 --temperatures=1,0.7 "
-                         "--modes=rejection --max_new_tokens=64 --num_prompts=64 "
-                         "--out=docs/artifacts/smollm2_bench_decode.json")
+# Two runs of bench_decode.py (batch 1 and 8 over 16 prompts, batch 64 over 64), their
+# result rows joined in SMOLLM2_BENCH by `--join_bench=A.json,B.json`.
+SMOLLM2_BENCH_COMMAND = (
+    "python experiments/bench_decode.py --config=configs/smollm2.py --workdir=runs/smollm2 "
+    "--temperatures=1,0.7 --modes=rejection --max_new_tokens=64 --repeats=1 "
+    "--batch_sizes=1,8 --num_prompts=16 (and --batch_sizes=64 --num_prompts=64)")
 MAIN_JOB_COMMAND = ("python -m bebop_jax.main --config=configs/quickstart.py "
                     "--workdir=runs/quickstart")
 # The paper's findings as the paper states them, with the findings here that test each.
@@ -259,6 +261,13 @@ def with_blocks(text: str, blocks: dict[str, str]) -> str:
 
 
 def main(argv: list[str]) -> int:
+  if len(argv) > 1 and argv[1].startswith("--join_bench="):
+    parts = [json.load(open(p)) for p in argv[1].split("=", 1)[1].split(",")]
+    joined = {**parts[0], "results": [r for p in parts for r in p["results"]]}
+    with open(SMOLLM2_BENCH, "w") as f:
+      json.dump(joined, f, indent=1)
+    print(f"joined {len(joined['results'])} rows into {os.path.relpath(SMOLLM2_BENCH, REPO)}")
+    return 0
   if len(argv) > 1 and argv[1].startswith("--main_job="):
     workdir = argv[1].split("=", 1)[1]
     target = MAIN_JOB
