@@ -88,9 +88,9 @@ def get_config(arg: str | None = None):
   config.mtp.data.max_new_tokens = 64
   config.mtp.data.batch_size = 64
   config.mtp.batch_size = 8
-  config.mtp.train.num_steps = 60
+  config.mtp.train.num_steps = 48
   config.mtp.train.log_every = 10
-  config.mtp.train.checkpoint_every = 30
+  config.mtp.train.checkpoint_every = 24
   config.mtp.optim.learning_rate = 3e-4
   config.mtp.optim.warmup_steps = 10
 
@@ -99,16 +99,17 @@ def get_config(arg: str | None = None):
   config.rl.rollout.batch_size = 32
   config.rl.rollout.max_new_tokens = 64
   config.rl.optim.learning_rate = 1e-5
-  config.rl.train.num_steps = 30
+  config.rl.train.num_steps = 24
   config.rl.train.eval_every = 0
-  config.rl.train.checkpoint_every = 10
+  config.rl.train.checkpoint_every = 8
   config.rl.eval.num_examples = 64
 
   config.eval.num_examples = 64
-  config.eval.batch_size = 64
+  # 32 rows: the eval stage's entropy scoring holds full 49,280-wide logits per row
+  config.eval.batch_size = 32
   config.eval.max_new_tokens = 64
   config.eval.temperatures = (1.0,)
   config.report.batch_sizes = (1, 8)
-  config.report.num_prompts = 16
-  config.report.repeats = 2
+  config.report.num_prompts = 8
+  config.report.repeats = 1
   return config
