@@ -19,7 +19,6 @@ set the mesh and the scale as configs/pod_qwen3.py does, e.g. for Qwen3-8B:
       --config.data.batch_size=256 --config.data.seq_len=2048 --config.model.dtype=bfloat16
 """
 
-import json
 import os
 
 from bebop_jax import config as config_lib
@@ -36,14 +35,9 @@ def get_config(arg: str | None = None):
     raise ValueError(f"configs/qwen3_hf.py:{arg}: {config_json} does not exist (a Hugging "
                      "Face checkpoint directory holds config.json, *.safetensors and "
                      "tokenizer.json)")
-  with open(config_json) as f:
-    model = hf.config_from_hf(json.load(f), num_mtp_modules=1, num_draft_steps=3)
-
   config = config_lib.base_config()
   config.stages = ("sft", "mtp", "rl")
-  for field in hf.SHAPE_FIELDS + ("dtype", "param_dtype", "num_mtp_modules",
-                                  "num_draft_steps"):
-    config.model[field] = getattr(model, field)
+  hf.set_model_config(config.model, path, num_mtp_modules=1, num_draft_steps=3)
   config.data.tokenizer = path
   config.sft.init_from_hf = path
   config.sft.hf_mtp = "auto"

@@ -28,7 +28,6 @@ alone (no SFT: the MTP rollouts come from the imported weights). docs/main_job.m
 measured times on two CPU cores.
 """
 
-import json
 import os
 
 from bebop_jax import config as config_lib
@@ -53,16 +52,12 @@ def checkpoint_dir(arg: str | None) -> str:
 
 def get_config(arg: str | None = None):
   path = checkpoint_dir(arg)
-  with open(os.path.join(path, "config.json")) as f:
-    model = hf.config_from_hf(json.load(f), num_mtp_modules=1, num_draft_steps=3,
-                              dtype="float32")
   tok = tokenizer_lib.load_tokenizer(path, chat_format=True)
 
   config = config_lib.base_config()
   config.stages = ("sft", "mtp", "rl", "eval")
-  for field in hf.SHAPE_FIELDS + ("dtype", "param_dtype", "num_mtp_modules",
-                                  "num_draft_steps"):
-    config.model[field] = getattr(model, field)
+  hf.set_model_config(config.model, path, num_mtp_modules=1, num_draft_steps=3,
+                      dtype="float32")
   config.model.vocab_size = tok.vocab_size  # the markers' rows (hf.import_checkpoint)
   config.data.tokenizer = path
   config.data.chat_format = True
