@@ -39,7 +39,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding an SFT checkpoint.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "8", "64"], "Batch sizes.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
-_MODES = flags.DEFINE_list("modes", ["rejection", "greedy_draft", "strict"],
+_MODES = flags.DEFINE_list("modes", ["rejection", "greedy_draft", "strict", "block"],
                            "Verification modes at temperature > 0.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed passes per measurement (best is kept).")

@@ -40,7 +40,7 @@ def test_base_and_experiment_configs_validate():
     ("rl.rollout.engine", "beam", "config.rl.rollout.engine='beam' is not allowed: one of "
      "('speculative', 'autoregressive')"),
     ("rl.rollout.mode", "exact", "config.rl.rollout.mode='exact' is not allowed: one of "
-     "('rejection', 'greedy_draft', 'strict')"),
+     "('rejection', 'greedy_draft', 'strict', 'block')"),
     ("rl.rollout.temperature", 0.0, "config.rl.rollout.temperature=0.0 is not allowed"),
     ("rl.mtp.strategy", "sometimes", "config.rl.mtp.strategy='sometimes' is not allowed: "
      "one of ('frozen', 'online', 'periodic')"),

@@ -47,7 +47,7 @@ def test_temperature_zero_equals_greedy_autoregressive():
   assert int(sp.target_forwards) < 24
 
 
-@pytest.mark.parametrize("mode", ["rejection", "greedy_draft"])
+@pytest.mark.parametrize("mode", ["rejection", "greedy_draft", "block"])
 def test_caches_below_the_draft_window_equal_a_fresh_prefill(mode):
   """The drafting invariant (DESIGN.md 4): every depth-cache entry below the window of the
   last K+1 positions was written with committed tokens. Mostly-wrong drafts of the random
@@ -77,7 +77,7 @@ def test_caches_below_the_draft_window_equal_a_fresh_prefill(mode):
             err_msg=f"row {row} depth {depth} {name}")
 
 
-@pytest.mark.parametrize("mode", ["rejection", "greedy_draft", "strict"])
+@pytest.mark.parametrize("mode", ["rejection", "greedy_draft", "strict", "block"])
 def test_a_row_does_not_depend_on_the_other_rows(mode):
   tokens, lengths = _prompts(b=4, seed=1)
   other_tokens, other_lengths = _prompts(b=4, seed=2)
@@ -92,12 +92,12 @@ def test_a_row_does_not_depend_on_the_other_rows(mode):
 
 
 def test_the_sampled_modes_share_one_compiled_loop():
-  """rejection, greedy_draft and strict run one program (the mode is its argument); exact,
+  """rejection, greedy_draft, strict and block run one program (the mode is its argument); exact,
   at temperature 0, is its own. The modes still decode differently from the same key."""
   tokens, lengths = _prompts(b=4, seed=5)
   outs = {"rejection": _spec(tokens, lengths, mode="rejection", temperature=1.0, seed=3)}
   size = speculative.generate._cache_size()  # pylint: disable=protected-access
-  for mode in ("greedy_draft", "strict"):
+  for mode in ("greedy_draft", "strict", "block"):
     outs[mode] = _spec(tokens, lengths, mode=mode, temperature=1.0, seed=3)
   assert speculative.generate._cache_size() == size  # pylint: disable=protected-access
   _spec(tokens, lengths, mode="exact", temperature=0.0)
@@ -270,3 +270,35 @@ def test_release_compiled_unmaps_the_generated_code():
   benchmark.release_compiled()
   assert compiled - before > 100, (before, compiled)
   assert count() - before < 0.2 * (compiled - before), (before, compiled, count())
+
+
+@pytest.mark.parametrize("mode", ["block", "rejection"])
+def test_the_jitted_loop_samples_the_autoregressive_law(partly_trained, mode):
+  """The first three tokens after one prompt, 4096 rows each: speculative decoding (drafts
+  partly right, so blocks end at every depth) against autoregressive sampling of the same
+  policy, a two-sample chi-square test over the cells both visit often."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  graphdef, params_state = partly_trained
+  b, n = 4096, 3
+  tokens = jnp.tile(jnp.asarray([[3, 4, 5, 6, 0, 0, 0, 0]], jnp.int32), (b, 1))
+  lengths = jnp.full((b,), 4, jnp.int32)
+  params = sampling.SamplingParams(1.0)
+  spec = speculative.generate(graphdef, params_state, tokens, lengths, jax.random.key(1),
+                              max_new_tokens=8, cache_length=32, params=params, mode=mode,
+                              stop_tokens=())
+  ar = autoregressive.generate(graphdef, params_state, tokens, lengths, jax.random.key(2),
+                               max_new_tokens=8, cache_length=32, params=params,
+                               stop_tokens=())
+  acc = np.asarray(spec.accepted).sum(0) / np.maximum(np.asarray(spec.attempted).sum(0), 1)
+  assert (0.1 < acc).all() and (acc < 0.95).all(), acc  # blocks end at every depth
+  cells = lambda t: [tuple(r) for r in np.asarray(t)[:, :n]]
+  a, c = cells(spec.tokens), cells(ar.tokens)
+  keys = sorted(set(a) | set(c))
+  ca = np.array([a.count(k) for k in keys])
+  cc = np.array([c.count(k) for k in keys])
+  common = (ca + cc) >= 20
+  table = np.stack([np.append(ca[common], ca[~common].sum()),
+                    np.append(cc[common], cc[~common].sum())])
+  table = table[:, table.sum(0) > 0]
+  _, pvalue, _, _ = stats.chi2_contingency(table)
+  assert pvalue > 1e-3, (mode, pvalue)

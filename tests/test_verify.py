@@ -12,7 +12,8 @@ from scipy import stats
 from bebop_jax.decoding import verification as verify_lib
 
 V, K = 6, 3
-SAMPLING_MODES = ("rejection", "greedy_draft", "strict")
+SAMPLING_MODES = ("rejection", "greedy_draft", "strict", "block")
+TOKENWISE_MODES = SAMPLING_MODES[:3]  # per-draft acceptance has a closed form
 
 
 def _markov(seed, concentration=0.7):
@@ -96,7 +97,7 @@ def test_exact_mode_emits_the_greedy_chain():
   assert (seqs == np.array(chain)[None]).all()
 
 
-@pytest.mark.parametrize("mode", SAMPLING_MODES + ("exact",))
+@pytest.mark.parametrize("mode", TOKENWISE_MODES + ("exact",))
 def test_mean_accepted_matches_the_closed_form(mode):
   # Context-independent distributions: every depth has the same alpha.
   rng = np.random.default_rng(3)
@@ -203,7 +204,7 @@ def test_a_token_of_target_probability_zero_is_never_emitted(mode):
 
 def test_a_traced_mode_index_verifies_as_its_mode_does():
   """One compiled verification serves every sampled mode: the index into SAMPLED_MODES
-  selects the same rule as the mode's name (rejection's differs from the other two)."""
+  selects the same rule as the mode's name (rejection's and block's differ from the rest)."""
   assert verify_lib.SAMPLED_MODES == SAMPLING_MODES
   rng = np.random.default_rng(5)
   b = 512
@@ -219,3 +220,168 @@ def test_a_traced_mode_index_verifies_as_its_mode_does():
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=mode)
     results[mode] = np.asarray(want[0])
   assert not np.array_equal(results["rejection"], results["greedy_draft"])
+  assert not np.array_equal(results["rejection"], results["block"])
+
+
+# ----------------------------------------------------------------------------- block
+
+
+def _block_law(p_tab, q_tab, prefix, k):
+  """{(tau, y): probability} of one block-verification step by enumeration: drafts from the
+  chained draft tables, the uniforms integrated out (tau = i with probability
+  h_i prod_{j>i} (1 - h_j)), y from the normalised residual. Tables map the last token to
+  a distribution (a Markov 'model')."""
+  v = p_tab.shape[0]
+  law = {}
+  for drafts in np.ndindex(*(v,) * k):
+    ctx = [prefix, *drafts]
+    q_seq = np.prod([q_tab[ctx[j], drafts[j]] for j in range(k)])
+    if q_seq == 0:
+      continue
+    qs = np.stack([q_tab[ctx[j]] for j in range(k)])[None]
+    ps = np.stack([p_tab[ctx[j]] for j in range(k + 1)])[None]
+    d = jnp.asarray(np.array(drafts)[None], jnp.int32)
+    w, h = map(np.asarray, verify_lib.block_weights(d, jnp.asarray(qs), jnp.asarray(ps)))
+    res = np.asarray(verify_lib.block_residual_probs(jnp.asarray(w), jnp.asarray(qs),
+                                                     jnp.asarray(ps)))[0]
+    for tau in range(k + 1):
+      p_tau = (h[0, tau - 1] if tau else 1.0) * np.prod(1 - h[0, tau:])
+      if p_tau == 0:
+        continue
+      nxt = ps[0, k] if tau == k else res[tau] / res[tau].sum()
+      for y in range(v):
+        if nxt[y] > 0:
+          key = (*drafts[:tau], y)
+          law[key] = law.get(key, 0.0) + q_seq * p_tau * nxt[y]
+  return law
+
+
+def _stream_law(p_tab, q_tab, prefix, n, k):
+  """{first n tokens: probability} of the stream block verification emits from `prefix`."""
+  if n == 0:
+    return {(): 1.0}
+  out = {}
+  for emitted, prob in _block_law(p_tab, q_tab, prefix, k).items():
+    head = emitted[:n]
+    rest = _stream_law(p_tab, q_tab, head[-1], n - len(head), k) if len(head) < n else {(): 1}
+    for tail, pt in rest.items():
+      out[head + tail] = out.get(head + tail, 0.0) + prob * pt
+  return out
+
+
+def _tables(v, kind, seed):
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet([0.8] * v, size=v)
+  if kind == "random":
+    q = rng.dirichlet([0.8] * v, size=v)
+  elif kind == "same":
+    q = p.copy()
+  elif kind == "disjoint":  # p on the first half of the vocabulary, q on the rest
+    half = v // 2
+    p[:, half:] = 0
+    p /= p.sum(1, keepdims=True)
+    q = np.zeros_like(p)
+    q[:, half:] = rng.dirichlet([0.8] * (v - half), size=v)
+  elif kind == "close":  # a good drafter: acceptance well above rejection's floor
+    q = 0.7 * p + 0.3 * rng.dirichlet([0.8] * v, size=v)
+  return p.astype(np.float32), q.astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["random", "same", "disjoint", "close"])
+def test_block_verification_law_is_the_target_law_exactly(kind):
+  """Enumerating drafts, uniforms and the residual: the first K + 1 emitted tokens have
+  exactly the target chain's law (no sampling error)."""
+  v, k = 3, 2
+  p, q = _tables(v, kind, seed=11)
+  law = _stream_law(p, q, 0, k + 1, k)
+  for seq in np.ndindex(*(v,) * (k + 1)):
+    ctx = (0, *seq)
+    want = np.prod([p[ctx[j], seq[j]] for j in range(k + 1)])
+    assert law.get(tuple(seq), 0.0) == pytest.approx(want, abs=2e-6), (kind, seq)
+
+
+def test_block_verification_accepts_the_papers_example_and_never_less_than_rejection():
+  """Sun et al.'s binary example (p = (1/3, 2/3), q = (2/3, 1/3), two drafts): 11/9
+  expected accepted drafts against token-wise rejection's 10/9; and on random Markov
+  tables block's expected accepted length is never below rejection's."""
+  p = np.array([[1 / 3, 2 / 3]] * 2, np.float32)
+  q = np.array([[2 / 3, 1 / 3]] * 2, np.float32)
+
+  def mean_accepted(p_tab, q_tab, k):
+    law = _block_law(p_tab, q_tab, 0, k)
+    return sum(prob * (len(seq) - 1) for seq, prob in law.items())
+
+  def rejection_mean(p_tab, q_tab, k, prefix=0):
+    # Token-wise: accept draft d w.p. min(1, p/q), stop at the first rejection.
+    total = 0.0
+    for drafts in np.ndindex(*(p_tab.shape[0],) * k):
+      ctx = [prefix, *drafts]
+      prob = np.prod([q_tab[ctx[j], drafts[j]] for j in range(k)])
+      acc, run = 1.0, 0.0
+      for j in range(k):
+        acc *= min(1.0, p_tab[ctx[j], drafts[j]] / q_tab[ctx[j], drafts[j]])
+        run += acc
+      total += prob * run
+    return total
+
+  assert mean_accepted(p, q, 2) == pytest.approx(11 / 9, abs=1e-5)
+  assert rejection_mean(p, q, 2) == pytest.approx(10 / 9, abs=1e-5)
+  for seed in range(4):
+    pt, qt = _tables(4, "random", seed)
+    assert mean_accepted(pt, qt, 3) >= rejection_mean(pt, qt, 3) - 1e-5, seed
+
+
+def _block_step_tables(p_tab, q_tab, k):
+  p_tab, q_tab = jnp.asarray(p_tab), jnp.asarray(q_tab)
+
+  @jax.jit
+  def step(rng, prev):
+    keys = jax.random.split(rng, k + 1)
+    drafts, qs, ps, ctx = [], [], [p_tab[prev]], prev
+    for j in range(k):
+      q = q_tab[ctx]
+      d = jax.random.categorical(keys[j], jnp.log(q), axis=-1).astype(jnp.int32)
+      drafts.append(d)
+      qs.append(q)
+      ps.append(p_tab[d])
+      ctx = d
+    drafts = jnp.stack(drafts, 1)
+    n, nxt = verify_lib.verify(keys[k], drafts, jnp.stack(qs, 1), jnp.stack(ps, 1), "block")
+    b = prev.shape[0]
+    emitted = jnp.where(jnp.arange(k + 1)[None] < n[:, None],
+                        jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], 1),
+                        nxt[:, None])
+    return emitted, n + 1
+  return step
+
+
+@pytest.mark.parametrize("kind", ["random", "same", "disjoint", "close"])
+def test_block_verification_samples_pass_chi_square_at_every_depth(kind):
+  """verify(mode="block") itself, sampled: the joint law of the first d emitted tokens,
+  d = 1 .. K + 1, against the target chain (chi-square, fixed seed)."""
+  v, k, n = 4, 3, 20_000
+  p, q = _tables(v, kind, seed=7)
+  step = _block_step_tables(p, q, k)
+  rng, prev = jax.random.key(2), jnp.zeros((n,), jnp.int32)
+  chunks, counts = [], np.zeros(n, np.int64)
+  while counts.min() < k + 1:
+    rng, key = jax.random.split(rng)
+    emitted, count = jax.device_get(step(key, prev))
+    chunks.append((emitted, count))
+    counts += count
+    prev = jnp.asarray(emitted[np.arange(n), count - 1])
+  seqs = np.stack([np.concatenate([e[i, :c[i]] for e, c in chunks])[:k + 1] for i in range(n)])
+  for depth in range(1, k + 2):
+    cells = np.ravel_multi_index(seqs[:, :depth].T, (v,) * depth)
+    observed = np.bincount(cells, minlength=v ** depth)
+    expected = np.zeros(v ** depth)
+    for idx, seq in enumerate(np.ndindex(*(v,) * depth)):
+      ctx = (0, *seq)
+      expected[idx] = np.prod([p[ctx[j], seq[j]] for j in range(depth)]) * n
+    keep = expected > 5
+    assert observed[expected == 0].sum() == 0, (kind, depth)
+    obs, exp = observed[keep], expected[keep]
+    if (~keep).any() and expected[~keep].sum() > 0:  # pool the rare cells
+      obs, exp = np.append(obs, observed[~keep].sum()), np.append(exp, expected[~keep].sum())
+    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
+    assert pvalue > 1e-3, (kind, depth, pvalue)

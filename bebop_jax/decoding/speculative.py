@@ -22,9 +22,9 @@ h0_n is known) and x_{n+1}, already sampled from p_n. One iteration:
 Rows stop independently (a stop token, the turn's token limit, or max_new_tokens); a stopped
 row's state is frozen.
 
-The modes of temperature > 0 (rejection, greedy_draft, strict) share one compiled program per
-shape: the mode is an argument of the program (an index into verification.SAMPLED_MODES),
-not of its compilation. Drafts are argmax(log q + g) with the Gumbel noise g scaled by 0
+The modes of temperature > 0 (rejection, greedy_draft, strict, block) share one compiled
+program per shape: the mode is an argument of the program (an index into
+verification.SAMPLED_MODES), not of its compilation. Drafts are argmax(log q + g) with the Gumbel noise g scaled by 0
 for greedy_draft (argmax q) and 1 otherwise (a sample of q), and verification selects its
 rule elementwise. The outputs are bitwise those of a loop compiled for one mode, at the cost
 of a few elementwise ops on [B, K, V] per iteration; it saves compiling the whole loop per

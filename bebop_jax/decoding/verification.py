@@ -15,6 +15,14 @@ Modes, each preserving the target distribution exactly:
                 d_j removed, renormalised.          acceptance p(argmax q)
   strict        d_j ~ q_j; accept iff a sample s ~ p equals d_j; otherwise emit s, i.e. a
                 sample of p conditioned on != d_j.  acceptance sum_v p_v q_v
+  block         d_j ~ q_j, verified jointly (Sun et al., "Block Verification Accelerates
+                Speculative Decoding", ICLR 2025): with w_0 = 1 and
+                w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i)), h_i = S_i / (S_i + 1 - w_i) where
+                S_i = sum_x max(0, w_i p_{i+1}(x) - q_{i+1}(x)), and h_K = w_K, the accepted
+                length is the largest i with a uniform eta_i <= h_i (0 if none); the next
+                token comes from norm(max(0, w_tau p_{tau+1} - q_{tau+1})), or from the bonus
+                p_{K+1} when tau = K. It accepts at least as many drafts in expectation as
+                rejection, from the same on-path probabilities.
   exact         temperature 0: accept iff d_j == argmax p_j; the next token is argmax p at
                 the first mismatch (or of the bonus). Equals greedy decoding token for token.
 
@@ -28,9 +36,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MODES = ("rejection", "greedy_draft", "strict", "exact")
-SAMPLED_MODES = MODES[:3]  # the modes a traced index selects; exact needs temperature 0
+MODES = ("rejection", "greedy_draft", "strict", "block", "exact")
+SAMPLED_MODES = MODES[:4]  # the modes a traced index selects; exact needs temperature 0
+_BLOCK = SAMPLED_MODES.index("block")
 _TINY = 1e-30
+_HUGE = 1e30
 
 
 def _by_mode(mode, rule):
@@ -38,8 +48,8 @@ def _by_mode(mode, rule):
   the one greedy_draft and strict share, selected elementwise."""
   if isinstance(mode, str):
     return rule(mode)
-  return jnp.where(mode == SAMPLED_MODES.index("rejection"), rule("rejection"),
-                   rule("greedy_draft"))
+  return jnp.where((mode == SAMPLED_MODES.index("rejection")) | (mode == _BLOCK),
+                   rule("rejection"), rule("greedy_draft"))
 
 
 def _categorical(gumbel: jax.Array, probs: jax.Array) -> jax.Array:
@@ -49,15 +59,47 @@ def _categorical(gumbel: jax.Array, probs: jax.Array) -> jax.Array:
   return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
 
 
+def _on_path(draft_tokens: jax.Array, probs: jax.Array) -> jax.Array:
+  """[B, K] the probability each distribution of `probs` [B, >=K, V] gives its draft."""
+  k = draft_tokens.shape[1]
+  return jnp.take_along_axis(probs[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
+
+
+def block_weights(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Block verification's (w [B, K+1], h [B, K]) (module docstring): w[:, i] is w_i, with
+  w_0 = 1; h[:, i-1] is h_i, the probability that depth i ends the accepted block when no
+  later depth does."""
+  p = _on_path(draft_tokens, target_probs)
+  q = _on_path(draft_tokens, draft_probs)
+  # A draft of target probability 0 ends every weight after it (w = 0); q(d) = 0 < p(d)
+  # cannot come from sampling q and counts as a ratio above any weight's reach.
+  ratio = jnp.where(p > 0, jnp.where(q > 0, p / jnp.maximum(q, _TINY), _HUGE), 0.0)
+
+  def step(prev, r):
+    nxt = jnp.minimum(prev * r, 1.0)
+    return nxt, nxt
+  _, w = jax.lax.scan(step, jnp.ones(ratio.shape[:1], ratio.dtype), ratio.T)
+  w = w.T  # [B, K]: w_1 .. w_K
+  k = draft_tokens.shape[1]
+  # S_i (i < K) from the distributions at the next depth: target_probs[:, i], draft_probs[:, i].
+  mass = jnp.sum(jnp.maximum(w[:, :k - 1, None] * target_probs[:, 1:k] - draft_probs[:, 1:k],
+                             0.0), axis=-1)
+  denom = mass + 1.0 - w[:, :k - 1]
+  h_inner = jnp.where(denom > 0, mass / jnp.maximum(denom, _TINY), 1.0)
+  h = jnp.concatenate([h_inner, w[:, k - 1:]], axis=1)
+  return jnp.concatenate([jnp.ones_like(w[:, :1]), w], axis=1), h
+
+
 def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
                      target_probs: jax.Array, mode: str) -> jax.Array:
-  """[B, K] probability of accepting each draft given that all earlier ones were accepted."""
+  """[B, K] probability of accepting each draft given that all earlier ones were accepted
+  (token-wise modes; block verification decides jointly: block_weights)."""
   if not isinstance(mode, str):
     return _by_mode(mode, lambda m: acceptance_probs(draft_tokens, draft_probs, target_probs, m))
-  k = draft_tokens.shape[1]
-  p = jnp.take_along_axis(target_probs[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
-  if mode == "rejection":
-    q = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+  p = _on_path(draft_tokens, target_probs)
+  if mode in ("rejection", "block"):
+    q = _on_path(draft_tokens, draft_probs)
     # A token of target probability 0 is never accepted, whatever q says (q(d) = 0 means d
     # was not drawn from q; accept it only if the target allows it).
     return jnp.where(p > 0, jnp.where(q > 0, jnp.minimum(1.0, p / jnp.maximum(q, _TINY)), 1.0),
@@ -65,6 +107,7 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
   if mode in ("greedy_draft", "strict"):
     return p
   if mode == "exact":
+    k = draft_tokens.shape[1]
     return (draft_tokens == jnp.argmax(target_probs[:, :k], axis=-1)).astype(jnp.float32)
   raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
 
@@ -80,11 +123,23 @@ def residual_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs
     raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
 
   def residual(m):
-    if m == "rejection":
+    if m in ("rejection", "block"):  # block: the token-wise rule's (block_residual_probs)
       return jnp.maximum(p - draft_probs, 0.0)
     return jnp.where(jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=bool), 0.0, p)
   res = _by_mode(mode, residual)
   # p == q cannot reject; guard the all-zero row anyway by falling back to p.
+  return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, p)
+
+
+def block_residual_probs(w: jax.Array, draft_probs: jax.Array, target_probs: jax.Array
+                         ) -> jax.Array:
+  """[B, K, V] block verification's (unnormalised) distribution of the next token when the
+  accepted block ends at depth tau < K: max(0, w_tau p_{tau+1} - q_{tau+1}) (w from
+  block_weights; tau = 0 gives rejection's residual)."""
+  k = draft_probs.shape[1]
+  p = target_probs[:, :k]
+  res = jnp.maximum(w[:, :k, None] * p - draft_probs, 0.0)
+  # Never chosen when empty (h = 0 or the block continues); guard the row anyway.
   return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, p)
 
 
@@ -127,15 +182,28 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
   u = jax.vmap(lambda key: jax.random.uniform(
       key, (k + v,), minval=jnp.finfo(jnp.float32).tiny))(keys)
   uniforms, gumbel = u[:, :k], -jnp.log(-jnp.log(u[:, k:]))
-  accept = uniforms < acceptance_probs(
-      draft_tokens, draft_probs, target_probs, mode)
-  num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+  tokenwise = not (isinstance(mode, str) and mode == "block")
+  joint = not isinstance(mode, str) or mode == "block"
+  if tokenwise:
+    accept = uniforms < acceptance_probs(draft_tokens, draft_probs, target_probs, mode)
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+    residuals = residual_probs(draft_tokens, draft_probs, target_probs, mode)
+  if joint:
+    w, h = block_weights(draft_tokens, draft_probs, target_probs)
+    # The block ends at the deepest i with eta_i <= h_i (0 when there is none).
+    depth = jnp.arange(1, k + 1, dtype=jnp.int32)
+    tau = jnp.max(jnp.where(uniforms <= h, depth, 0), axis=1)
+    block_res = block_residual_probs(w, draft_probs, target_probs)
+    if tokenwise:  # a traced mode index: select elementwise
+      num_accepted = jnp.where(mode == _BLOCK, tau, num_accepted)
+      residuals = jnp.where(mode == _BLOCK, block_res, residuals)
+    else:
+      num_accepted, residuals = tau, block_res
   # Row a of [residuals..., bonus] is the distribution of the token after a accepted drafts.
   bonus = target_probs[:, k:]
   if isinstance(mode, str) and mode == "exact":
     bonus = jax.nn.one_hot(jnp.argmax(bonus, -1), bonus.shape[-1], dtype=bonus.dtype)
-  after = jnp.concatenate(
-      [residual_probs(draft_tokens, draft_probs, target_probs, mode), bonus], axis=1)
+  after = jnp.concatenate([residuals, bonus], axis=1)
   chosen = jnp.take_along_axis(after, num_accepted[:, None, None], axis=1)[:, 0]
   return num_accepted.astype(jnp.int32), _categorical(gumbel, chosen)
 
@@ -147,8 +215,10 @@ def expected_accepted(alphas: jax.Array) -> jax.Array:
 
 def per_draft_acceptance(draft_probs: jax.Array, target_probs: jax.Array, mode: str
                          ) -> jax.Array:
-  """alpha of each mode from the two distributions [..., V] (DESIGN.md 4)."""
-  if mode == "rejection":
+  """alpha of each mode from the two distributions [..., V] (DESIGN.md 4). Block
+  verification has no per-draft rate of its own (it decides jointly); its alpha is
+  rejection's, whose expected accepted length is a lower bound of block's."""
+  if mode in ("rejection", "block"):
     return jnp.sum(jnp.minimum(target_probs, draft_probs), axis=-1)
   if mode == "greedy_draft":
     return jnp.take_along_axis(target_probs, jnp.argmax(draft_probs, -1)[..., None], -1)[..., 0]

@@ -24,7 +24,7 @@ from bebop_jax import tasks as tasks_lib
 from bebop_jax.decoding import batching, sampling, speculative
 
 ENGINES = ("speculative", "autoregressive")
-VERIFICATION_MODES = ("rejection", "greedy_draft", "strict")
+VERIFICATION_MODES = ("rejection", "greedy_draft", "strict", "block")
 
 
 @dataclasses.dataclass(frozen=True)
