@@ -19,6 +19,11 @@ to the JSON's "results_multi_turn" (--batch_sizes= runs the episodes alone):
 
   python experiments/bench_decode.py --config=configs/quickstart.py --workdir=runs/quickstart \
       --batch_sizes= --episodes=1,8,64
+
+With --draft_vocab=full,16384,8192,4096 every mode also runs with a reduced draft
+vocabulary of each size (decoding/draft_vocab.py: the drafter's most frequent training
+tokens and the stop tokens; the JSON's "draft_vocab_coverage" gives the share of those
+tokens each covers); its rows carry "draft_vocab".
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
+from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import benchmark
 from bebop_jax.train import mtp
 
@@ -58,6 +64,10 @@ _EPISODES = flags.DEFINE_list(
 _EPISODE_MAX_NEW = flags.DEFINE_integer(
     "episode_max_new_tokens", 160, "Completion budget of an episode (policy turns and "
     "environment replies).")
+_DRAFT_VOCAB = flags.DEFINE_list(
+    "draft_vocab", ["full"],
+    "Draft vocabularies: 'full' (the whole head) and/or sizes V_d of a reduced one, the "
+    "drafter's most frequent training tokens plus the stop tokens (mtp.draft_vocabulary).")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default <workdir>/bench_decode.json).")
 
 
@@ -67,13 +77,27 @@ def main(argv):
   graphdef, state, source = mtp.load_workdir_policy(
       config, _WORKDIR.value, which="random" if _RANDOM.value else _POLICY.value)
   print(f"model: {source}; device: {jax.devices()[0].device_kind}")
+  draft_vocabs, coverage = {}, {}
+  for label in _DRAFT_VOCAB.value:
+    if label == "full":
+      draft_vocabs[label] = None
+      continue
+    if not label.isdigit():
+      raise ValueError(f"--draft_vocab={label!r} is not allowed: 'full' or a size")
+    tok = get_tokenizer()
+    ids, coverage[label] = mtp.draft_vocabulary(config, _WORKDIR.value, int(label),
+                                                always=(tok.eos_id, tok.call_end_id))
+    draft_vocabs[label] = ids
+    print(f"draft vocabulary {label}: covers {coverage[label]:.1%} of the drafter's training "
+          "tokens")
   if _BATCH.value:
     print(benchmark.header(_SPLIT.value))
   results = benchmark.run_benchmark(
       config, graphdef, state, batch_sizes=[int(b) for b in _BATCH.value],
       temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
       max_new=_MAX_NEW.value, repeats=_REPEATS.value,
-      num_prompts=_PROMPTS.value, split_fixed_cost=_SPLIT.value)
+      num_prompts=_PROMPTS.value, split_fixed_cost=_SPLIT.value,
+      draft_vocabs=draft_vocabs)
   episodes = {}
   if _EPISODES.value:
     print(f"\nmulti-turn: whole agentic episodes\n{benchmark.episode_header()}")
@@ -87,7 +111,8 @@ def main(argv):
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as f:
     json.dump({"model": source, "device": jax.devices()[0].device_kind,
-               "max_new_tokens": _MAX_NEW.value, "results": results, **episodes}, f,
+               "max_new_tokens": _MAX_NEW.value, "results": results,
+               **({"draft_vocab_coverage": coverage} if coverage else {}), **episodes}, f,
               indent=2)
   print(f"wrote {out}")
 

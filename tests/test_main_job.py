@@ -79,6 +79,21 @@ def test_only_the_drafter_changes(job):
   assert not any(c for p, c in changed.items() if "mtp" not in p)
 
 
+def test_the_drafter_stores_its_token_counts_for_a_reduced_draft_vocabulary(job):
+  """The MTP stage stores the policy-token counts of its training rollouts; the reduced
+  draft vocabulary comes from them, with the stop tokens always in."""
+  _, workdir, config = job
+  summary = mtp.read_summary(workdir)
+  counts = np.load(os.path.join(mtp.stage_dir(workdir), mtp.DRAFT_COUNTS))
+  assert counts.shape == (config.model.vocab_size,)
+  assert int(counts.sum()) == summary["policy_tokens"]
+  ids, cover = mtp.draft_vocabulary(config, workdir, 8, always=(2,))
+  assert len(ids) == 8 and 2 in ids.tolist() and list(ids) == sorted(ids)
+  top = np.argsort(-counts, kind="stable")[:7]
+  assert set(top.tolist()) <= set(ids.tolist()) | {2}
+  assert 0 < cover <= 1 and cover == pytest.approx(counts[ids].sum() / counts.sum())
+
+
 def test_rerun_reuses_everything(job, capsys):
   _, workdir, config = job
   start = time.perf_counter()
@@ -141,3 +156,19 @@ def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
   assert row["ar_fixed_share"] == row["ar_fixed_seconds"] / row["ar_seconds"]
   assert np.isfinite(row["decode_phase_speedup"])
   assert benchmark.format_row(row).count("|") == benchmark.header(True).split("\n")[0].count("|")
+
+
+def test_decode_benchmark_rows_per_draft_vocabulary(job):
+  """A reduced draft vocabulary gets its own rows (labelled, without the full head's
+  teacher-forced acceptance); the drafts it accepts are inside it."""
+  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  _, workdir, config = job
+  graphdef, state = mtp.load_policy(config, workdir)
+  ids, _ = mtp.draft_vocabulary(config, workdir, 6, always=(2,))
+  rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
+                                 modes=["block"], max_new=16, repeats=1, num_prompts=2,
+                                 draft_vocabs={"full": None, "6": ids})
+  assert [r.get("draft_vocab") for r in rows] == ["full", "6"]
+  assert rows[0]["acceptance_teacher_forced"] is not None
+  assert rows[1]["acceptance_teacher_forced"] is None
+  assert "block @6" in benchmark.format_row(rows[1])

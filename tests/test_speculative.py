@@ -272,10 +272,17 @@ def test_release_compiled_unmaps_the_generated_code():
   assert count() - before < 0.2 * (compiled - before), (before, compiled, count())
 
 
-@pytest.mark.parametrize("mode", ["block", "rejection"])
-def test_the_jitted_loop_samples_the_autoregressive_law(partly_trained, mode):
+# A reduced draft vocabulary that leaves out two of the tokens the partly trained model
+# writes most (its cyclic tokens are 3..9): q is 0 there, the verification covers them.
+_DRAFT_VOCAB = np.array([0, 1, 2, 3, 4, 5, 6, 9, 10, 11], np.int32)
+
+
+@pytest.mark.parametrize("mode,draft_vocab", [("block", False), ("rejection", False),
+                                              ("rejection", True), ("block", True)])
+def test_the_jitted_loop_samples_the_autoregressive_law(partly_trained, mode, draft_vocab):
   """The first three tokens after one prompt, 4096 rows each: speculative decoding (drafts
-  partly right, so blocks end at every depth) against autoregressive sampling of the same
+  partly right, so blocks end at every depth; with a reduced draft vocabulary, drafts that
+  can never propose two frequent tokens) against autoregressive sampling of the same
   policy, a two-sample chi-square test over the cells both visit often."""
   from scipy import stats  # pylint: disable=g-import-not-at-top
   graphdef, params_state = partly_trained
@@ -285,7 +292,8 @@ def test_the_jitted_loop_samples_the_autoregressive_law(partly_trained, mode):
   params = sampling.SamplingParams(1.0)
   spec = speculative.generate(graphdef, params_state, tokens, lengths, jax.random.key(1),
                               max_new_tokens=8, cache_length=32, params=params, mode=mode,
-                              stop_tokens=())
+                              stop_tokens=(),
+                              draft_vocab=jnp.asarray(_DRAFT_VOCAB) if draft_vocab else None)
   ar = autoregressive.generate(graphdef, params_state, tokens, lengths, jax.random.key(2),
                                max_new_tokens=8, cache_length=32, params=params,
                                stop_tokens=())
@@ -302,3 +310,38 @@ def test_the_jitted_loop_samples_the_autoregressive_law(partly_trained, mode):
   table = table[:, table.sum(0) > 0]
   _, pvalue, _, _ = stats.chi2_contingency(table)
   assert pvalue > 1e-3, (mode, pvalue)
+
+
+def test_a_full_draft_vocabulary_decodes_as_none_and_a_reduced_one_drafts_inside_it(
+    partly_trained):
+  """draft_vocab = every id decodes bitwise as no draft vocabulary (same shapes, same noise);
+  a reduced one never accepts a draft outside it, and mtp_step's sub-head logits are the
+  full head's columns."""
+  graphdef, params_state = partly_trained
+  tokens, lengths = _prompts(b=4, seed=4)
+  tokens = jnp.clip(tokens % 12, 3, 11)
+  kw = dict(max_new_tokens=24, cache_length=64, params=sampling.SamplingParams(1.0),
+            mode="rejection", stop_tokens=())
+  vocab = model_config.preset("tiny").vocab_size
+  base = speculative.generate(graphdef, params_state, tokens, lengths, jax.random.key(4), **kw)
+  full = speculative.generate(graphdef, params_state, tokens, lengths, jax.random.key(4),
+                              draft_vocab=jnp.arange(vocab, dtype=jnp.int32), **kw)
+  for field in ("tokens", "lengths", "accepted", "attempted"):
+    np.testing.assert_array_equal(np.asarray(getattr(full, field)),
+                                  np.asarray(getattr(base, field)))
+  sub = speculative.generate(graphdef, params_state, tokens, lengths, jax.random.key(4),
+                             draft_vocab=jnp.asarray(_DRAFT_VOCAB), **kw)
+  assert int(np.asarray(sub.accepted).sum()) > 0
+  assert (int(np.asarray(sub.accepted).sum()) < int(np.asarray(base.accepted).sum())), (
+      "leaving out frequent tokens should cost acceptance")
+  model = nnx.merge(graphdef, params_state)
+  cache = model.init_cache(4, 64)
+  _, h0, cache = model.prefill(cache, tokens)
+  start = jnp.zeros((4,), jnp.int32)
+  at = jnp.full((4,), 2, jnp.int32)
+  full_logits, _, _ = model.mtp_step(cache, 1, h0[:, :4], tokens[:, 1:5], start, at)
+  head = model.decode_weights()["shared"]["head"]
+  sub_logits, _, _ = model.mtp_step(cache, 1, h0[:, :4], tokens[:, 1:5], start, at,
+                                    draft_head=head[:, _DRAFT_VOCAB])
+  np.testing.assert_allclose(np.asarray(sub_logits),
+                             np.asarray(full_logits)[:, _DRAFT_VOCAB], rtol=1e-5, atol=1e-5)

@@ -70,13 +70,19 @@ def best_times(fns: dict, batches, repeats: int) -> dict:
 
 
 def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
-                  repeats, num_prompts=32, split_fixed_cost=False) -> list[dict]:
+                  repeats, num_prompts=32, split_fixed_cost=False, draft_vocabs=None
+                  ) -> list[dict]:
   """All measurements as a list of row dicts.
 
   With `split_fixed_cost`, every loop also runs the same prompts with max_new_tokens=1
   (prefill and the first token: the per-call cost that speculative decoding cannot shorten)
   and the rows add the share of that cost in autoregressive time and the speed ratio of the
-  rest, i.e. of the decoding phase alone."""
+  rest, i.e. of the decoding phase alone.
+
+  `draft_vocabs`: {label: token ids or None (the full head)}: each mode runs once per
+  reduced draft vocabulary (decoding/draft_vocab.py), its rows labelled `draft_vocab`; their
+  teacher-forced acceptance (the full head's) is left out."""
+  draft_vocabs = draft_vocabs or {"full": None}
   # Stop where a real rollout turn stops (end of sequence, end of a tool call); both loops
   # stop on the same tokens.
   tok = get_tokenizer()
@@ -93,10 +99,13 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
             max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
             params=params, stop_tokens=stop)}
         for mode in (["exact"] if t == 0 else modes):
-          fns[mode] = (lambda tokens, lengths, seed, mode=mode: speculative.generate(
-              graphdef, state, tokens, lengths, jax.random.key(seed),
-              max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
-              params=params, mode=mode, stop_tokens=stop))
+          for label, ids in draft_vocabs.items():
+            fns[(mode, label)] = (
+                lambda tokens, lengths, seed, mode=mode, ids=ids: speculative.generate(
+                    graphdef, state, tokens, lengths, jax.random.key(seed),
+                    max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
+                    params=params, mode=mode, stop_tokens=stop,
+                    draft_vocab=None if ids is None else jax.numpy.asarray(ids)))
         return fns
 
       timed = best_times(loops(max_new), batches, repeats)
@@ -106,14 +115,19 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
       ar_tokens = sum(int(np.asarray(o.lengths).sum()) for o in ar)
       ar_forwards = sum(int(o.target_forwards) for o in ar)
       num_rows = len(batches) * b
-      for mode, (sp_time, sp) in timed.items():
+      for (mode, label), (sp_time, sp) in timed.items():
         sp_tokens = sum(int(np.asarray(o.lengths).sum()) for o in sp)
         att = sum(np.asarray(o.attempted).sum(0) for o in sp)
         acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
-        expected, visits = _teacher_forced_at_frontiers(graphdef, state, batches, sp,
-                                                        params=params, mode=mode)
+        if draft_vocabs[label] is None:
+          expected, visits = _teacher_forced_at_frontiers(graphdef, state, batches, sp,
+                                                          params=params, mode=mode)
+          teacher_forced = (expected / np.maximum(visits, 1)).tolist()
+        else:
+          teacher_forced = None
         row = {
             "batch": b, "prompts": num_rows, "temperature": t, "mode": mode,
+            **({} if len(draft_vocabs) == 1 and label == "full" else {"draft_vocab": label}),
             "ar_tokens_per_s": ar_tokens / ar_time,
             "spec_tokens_per_s": sp_tokens / sp_time,
             "speedup": (sp_tokens / sp_time) / (ar_tokens / ar_time),
@@ -121,7 +135,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
                 np.concatenate([np.asarray(o.emitted_by_forwards) for o in sp]),
                 np.concatenate([np.asarray(o.attempted)[:, 0] for o in sp])),
             "acceptance_online": (acc / np.maximum(att, 1)).tolist(),
-            "acceptance_teacher_forced": (expected / np.maximum(visits, 1)).tolist(),
+            "acceptance_teacher_forced": teacher_forced,
             "ar_seconds": ar_time, "spec_seconds": sp_time,
             "ar_tokens": ar_tokens, "spec_tokens": sp_tokens,
             "ar_target_forwards": ar_forwards,
@@ -130,8 +144,9 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
         if fixed is not None:
           # Tokens after the first of each row, over the time after the fixed cost.
           ar_rate = (ar_tokens - num_rows) / max(ar_time - fixed["autoregressive"], 1e-9)
-          sp_rate = (sp_tokens - num_rows) / max(sp_time - fixed[mode], 1e-9)
-          row.update(ar_fixed_seconds=fixed["autoregressive"], spec_fixed_seconds=fixed[mode],
+          sp_rate = (sp_tokens - num_rows) / max(sp_time - fixed[(mode, label)], 1e-9)
+          row.update(ar_fixed_seconds=fixed["autoregressive"],
+                     spec_fixed_seconds=fixed[(mode, label)],
                      ar_fixed_share=fixed["autoregressive"] / ar_time,
                      decode_phase_speedup=sp_rate / ar_rate)
         results.append(row)
@@ -177,10 +192,12 @@ def release_compiled() -> None:
 
 def format_row(r: dict) -> str:
   acc = "/".join(f"{a:.2f}" for a in r["acceptance_online"])
-  tf = "/".join(f"{a:.2f}" for a in r["acceptance_teacher_forced"])
+  tf = ("/".join(f"{a:.2f}" for a in r["acceptance_teacher_forced"])
+        if r["acceptance_teacher_forced"] is not None else "-")
   split = (f" {r['ar_fixed_share']:>5.0%} | {r['decode_phase_speedup']:>5.2f}x |"
            if "decode_phase_speedup" in r else "")
-  return (f"| {r['batch']:>5} | {r['prompts']:>3} | {r['temperature']:>4g} | {r['mode']:<12} | "
+  mode = r["mode"] + (f" @{r['draft_vocab']}" if "draft_vocab" in r else "")
+  return (f"| {r['batch']:>5} | {r['prompts']:>3} | {r['temperature']:>4g} | {mode:<12} | "
           f"{r['ar_tokens_per_s']:>9.1f} | {r['spec_tokens_per_s']:>9.1f} | "
           f"{r['speedup']:>5.2f}x | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |"
           + split)

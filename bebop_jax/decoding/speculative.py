@@ -174,16 +174,24 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
   return _emit_sampled(s, logits[rows, s.frontier], key, jnp.ones((b,), bool), params)
 
 
-def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
+def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None) -> DecodeState:
   """Runs the draft-verify-commit loop until every row is done (w: model.loop_weights()).
-  mode: "exact", or a traced int32 index into verification.SAMPLED_MODES."""
+  mode: "exact", or a traced int32 index into verification.SAMPLED_MODES.
+  draft_vocab: optional [V_d] token ids (draft_vocab.py): the drafts come from the head's
+  columns of those tokens only, and q is 0 on every other token, which the verification
+  (rejection, block, ...) covers exactly."""
   b = s.seq.shape[0]
   buf_len = s.seq.shape[1]
   k = s.out.attempted.shape[1]
   max_new_tokens = s.out.tokens.shape[1]
   window = k + 1  # see the module docstring: the narrowest window that keeps the invariant
   rows = jnp.arange(b)
-  q_vocab = model.config.vocab_size
+  vocab = model.config.vocab_size
+  draft_head = None
+  if draft_vocab is not None:  # the sub-head, sliced once before the loop
+    head = (w if w is not None else model.decode_weights())["shared"]["head"]
+    draft_head = jnp.take(head, draft_vocab, axis=1)
+  q_vocab = vocab if draft_vocab is None else draft_vocab.shape[0]
   turn_start = s.out.lengths
 
   def cond(s: DecodeState):
@@ -211,16 +219,20 @@ def _decode(model, w, s: DecodeState, *, params, mode) -> DecodeState:
     for depth in range(1, k + 1):
       q_logits, h_prev, cache = model.mtp_step(cache, depth, h_prev,
                                                ext[:, depth:depth + window], start, at_n,
-                                               weights=w)
+                                               weights=w, draft_head=draft_head)
       q_logp = sampling.sampling_logprobs(q_logits, params)
       if isinstance(mode, str):  # "exact"
         d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
       else:  # argmax(q_logp + 0) = argmax q for greedy_draft, a sample of q otherwise
         d = sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp)
+      q = jnp.exp(q_logp)
+      if draft_vocab is not None:  # back to token ids; q is 0 off the draft vocabulary
+        d = draft_vocab[d]
+        q = jnp.zeros((b, vocab), q.dtype).at[:, draft_vocab].set(q)
       if depth < k:  # d_K is not an input of any depth
         ext = jnp.where(offsets == (at_n + 1 + depth)[:, None], d[:, None], ext)
       drafts.append(d)
-      draft_probs.append(jnp.exp(q_logp))
+      draft_probs.append(q)
     drafts = jnp.stack(drafts, axis=1)
     draft_probs = jnp.stack(draft_probs, axis=1)
     # 2. Verify with one target forward over [x_{n+1}, d_1..d_K].
@@ -339,18 +351,20 @@ def _first_turn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arr
                 cache_length: int, params: sampling.SamplingParams, program: str,
                 mode_index: jax.Array, stop_tokens: Sequence[int],
                 row_stops: jax.Array | None = None, num_draft_steps: int | None = None,
-                max_turn_tokens: int | None = None) -> DecodeState:
+                max_turn_tokens: int | None = None, draft_vocab: jax.Array | None = None
+                ) -> DecodeState:
   """Prefills right-padded prompts [B, P] and decodes the first turn: until a stop token
   (those of `row_stops` [B, S] bool when given, see batching.stop_table), `max_turn_tokens`
-  or `max_new_tokens` (the whole completion's budget). Compiled once per (B, P) and
-  settings."""
+  or `max_new_tokens` (the whole completion's budget). `draft_vocab`: optional [V_d] token
+  ids the drafter is restricted to (`_decode`). Compiled once per (B, P) and settings."""
   model = nnx.merge(graphdef, state)
   k = _num_drafts(model, num_draft_steps)
   w = model.loop_weights()
   s = _start(model, w, prompt_tokens, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
              cache_length=cache_length, params=params, stop_tokens=stop_tokens,
              row_stops=row_stops, max_turn_tokens=max_turn_tokens)
-  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index))
+  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index),
+                 draft_vocab=draft_vocab)
 
 
 class _ModeArgument:
@@ -388,7 +402,8 @@ start = _ModeArgument(jax.jit(_first_turn, static_argnames=_FIRST_STATIC))
 def _continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
                          reply_tokens: jax.Array, reply_lengths: jax.Array, *,
                          params: sampling.SamplingParams, program: str, mode_index: jax.Array,
-                         max_turn_tokens: int | None = None) -> DecodeState:
+                         max_turn_tokens: int | None = None,
+                         draft_vocab: jax.Array | None = None) -> DecodeState:
   """Appends right-padded replies [B, R] (rows with reply_lengths 0 are finished and left
   alone; a reply that would fill the completion budget is not appended and its row stays
   done) and decodes the next turn, with the stop tokens `start` was given. Donates
@@ -397,7 +412,8 @@ def _continue_with_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state:
   w = model.loop_weights()
   s = _append(model, w, decode_state, reply_tokens, reply_lengths, params=params,
               max_turn_tokens=max_turn_tokens)
-  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index))
+  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index),
+                 draft_vocab=draft_vocab)
 
 
 continue_with_reply = _ModeArgument(jax.jit(_continue_with_reply, static_argnames=_STATIC,
@@ -409,14 +425,16 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array
               cache_length: int, params: sampling.SamplingParams, program: str,
               mode_index: jax.Array, stop_tokens: Sequence[int],
               row_stops: jax.Array | None = None, num_draft_steps: int | None = None,
-              max_turn_tokens: int | None = None) -> SpeculativeOutput:
+              max_turn_tokens: int | None = None, draft_vocab: jax.Array | None = None
+              ) -> SpeculativeOutput:
   """Samples up to `max_new_tokens` per row after right-padded prompts [B, P] with K drafts
-  per target forward (single turn). Compiled once per (B, P) and settings."""
+  per target forward (single turn; `draft_vocab` as in `start`). Compiled once per (B, P)
+  and settings."""
   return _first_turn(
       graphdef, state, prompt_tokens, prompt_lengths, rng, max_new_tokens=max_new_tokens,
       cache_length=cache_length, params=params, program=program, mode_index=mode_index,
       stop_tokens=stop_tokens, row_stops=row_stops, num_draft_steps=num_draft_steps,
-      max_turn_tokens=max_turn_tokens).out
+      max_turn_tokens=max_turn_tokens, draft_vocab=draft_vocab).out
 
 
 generate = _ModeArgument(jax.jit(_generate, static_argnames=_FIRST_STATIC))

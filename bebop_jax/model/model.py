@@ -179,10 +179,13 @@ class Policy(nnx.Module):
     x = jnp.take(table, tokens, axis=0)
     return sharding.constrain(x, ("batch", "length", "embed"))
 
-  def _logits(self, shared: dict[str, jax.Array], h: jax.Array) -> jax.Array:
-    """float32 logits [B, T, V] of hidden states h [B, T, E]."""
+  def _logits(self, shared: dict[str, jax.Array], h: jax.Array,
+              head: jax.Array | None = None) -> jax.Array:
+    """float32 logits [B, T, V] of hidden states h [B, T, E] (through `head` [E, V'] instead
+    of the shared head when given: a reduced draft vocabulary)."""
     h = layers.rms_norm(h, shared["final_norm"], self.config.norm_eps)
-    logits = layers.dense(h, shared["head"], preferred_element_type=jnp.float32)
+    head = shared["head"] if head is None else head
+    logits = layers.dense(h, head, preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "vocab"))
 
   def _teacher_block(self, *, in_scan: bool):
@@ -356,8 +359,8 @@ class Policy(nnx.Module):
 
   def mtp_step(self, cache: Cache, depth: int, h_prev: jax.Array, tokens: jax.Array,
                start: jax.Array, logits_at: jax.Array | None = None, *,
-               attend_len: int | None = None, weights: dict[str, Any] | None = None
-               ) -> tuple[jax.Array, jax.Array, Cache]:
+               attend_len: int | None = None, weights: dict[str, Any] | None = None,
+               draft_head: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Cache]:
     """MTP depth `depth` (1..K, static) over a window of W positions start[b] + 0..W-1.
 
     Args:
@@ -366,8 +369,11 @@ class Policy(nnx.Module):
       logits_at: optional [B] window index: the logits are needed there only (decoding
         drafts at the frontier), so the head runs on one position per row.
       attend_len, weights: as in `step`.
+      draft_head: optional [E, V_d], the shared head's columns of a reduced draft
+        vocabulary: the logits are over those V_d tokens (in its order).
     Returns:
-      (draft logits [B, W, V] f32, or [B, V] at `logits_at`; hidden h^depth [B, W, E];
+      (draft logits [B, W, V] f32, or [B, V] at `logits_at` (V_d with `draft_head`);
+      hidden h^depth [B, W, E];
       cache with the depth's entries at the window positions rewritten).
     """
     c = self.config
@@ -387,8 +393,8 @@ class Policy(nnx.Module):
     mtp = KVCache(k=replace(cache.mtp.k, k), v=replace(cache.mtp.v, v))
     if logits_at is not None:
       at = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
-      return self._logits(shared, at)[:, 0], h, cache.replace(mtp=mtp)
-    return self._logits(shared, h), h, cache.replace(mtp=mtp)
+      return self._logits(shared, at, draft_head)[:, 0], h, cache.replace(mtp=mtp)
+    return self._logits(shared, h, draft_head), h, cache.replace(mtp=mtp)
 
   def prefill(self, cache: Cache, tokens: jax.Array, *, mtp: bool = True,
               weights: dict[str, Any] | None = None) -> tuple[jax.Array, jax.Array, Cache]:

@@ -43,6 +43,7 @@ from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import batching, diagnostics, sampling
+from bebop_jax.decoding import draft_vocab as draft_vocab_lib
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
@@ -337,6 +338,41 @@ def split(model, config):
   return nnx.split(model, optimizer_lib.trainable_filter(config.mtp.optim.trainable), ...)
 
 
+DRAFT_COUNTS = "draft_token_counts.npy"
+
+
+def _write_draft_counts(workdir: str, counts: np.ndarray) -> None:
+  path = os.path.join(stage_dir(workdir), DRAFT_COUNTS)
+  tmp = path + ".tmp.npy"
+  np.save(tmp, counts)
+  os.replace(tmp, path)
+
+
+def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str, size: int,
+                     always: Sequence[int] = ()) -> tuple[np.ndarray, float]:
+  """(ids [size] int32 sorted, coverage): the reduced draft vocabulary of the workdir's
+  drafter, its `size` most frequent policy tokens (decoding/draft_vocab.py) plus `always`
+  (the stop tokens), and the share of the drafter's training tokens it covers. The counts
+  are those the MTP stage stored with the drafter; a drafter trained before they were
+  stored gets them from its cached training rollouts (mtp_data)."""
+  path = os.path.join(stage_dir(workdir), DRAFT_COUNTS)
+  if os.path.exists(path):
+    counts = np.load(path)
+  else:
+    data_dir = os.path.join(sft_workdir(config, workdir), "mtp_data")
+    cached = sorted(f for f in os.listdir(data_dir) if f.startswith("train_")) \
+        if os.path.isdir(data_dir) else []
+    if not cached:
+      raise FileNotFoundError(f"no draft token counts in {stage_dir(workdir)} and no cached "
+                              f"MTP training rollouts in {data_dir}: run the MTP stage")
+    with np.load(os.path.join(data_dir, cached[-1])) as f:
+      seqs = [(f["tokens"][i, :n], f["loss_mask"][i, :n]) for i, n in enumerate(f["lengths"])]
+    counts = draft_vocab_lib.count_tokens([t for t, _ in seqs], [m for _, m in seqs],
+                                          config.model.vocab_size)
+  ids = draft_vocab_lib.top_tokens(counts, size, always)
+  return ids, draft_vocab_lib.coverage(counts, ids)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) the MTP stage; returns its summary."""
   done = read_summary(workdir)
@@ -368,6 +404,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   heldout = self_distillation_data(config, graphdef0, sft_params, data_dir, "test",
                                    per_task_eval)
   timing["rollouts_s"] = time.perf_counter() - t0
+  # The drafter's token counts (the policy tokens of its training rollouts), stored with it:
+  # a reduced draft vocabulary is chosen from them (draft_vocabulary).
+  _write_draft_counts(workdir, draft_vocab_lib.count_tokens(
+      [t for t, _ in train_data["sequences"]], [mk for _, mk in train_data["sequences"]],
+      model_cfg.vocab_size))
   rows = pack_rows(train_data["sequences"], config.data.seq_len)
   print(f"[mtp] self-distillation data: {len(train_data['sequences'])} rollouts "
         f"({train_data['policy_tokens']} policy tokens, rewards {train_data['reward']}"
