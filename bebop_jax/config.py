@@ -159,7 +159,10 @@ def base_config() -> ml_collections.ConfigDict:
       temperature=1.0, top_k=0, top_p=1.0,
       num_draft_steps=0,           # K drafts per verification; 0 = the model's
       max_new_tokens=160,          # completion budget (policy turns and replies)
-      batch_size=32))              # rows per decoding call
+      batch_size=32,               # rows per decoding call
+      # A reduced draft vocabulary: the drafter's V most frequent training tokens (and the
+      # stop tokens); 0 = the whole head (decoding/draft_vocab.py).
+      draft_vocab=0))
   c.rl.acceptance_modes = ("rejection", "greedy_draft")  # teacher-forced on each batch
   c.rl.optim = optim_defaults(learning_rate=3e-4, warmup_steps=0, decay="constant",
                               weight_decay=0.0, trainable="main")
@@ -569,6 +572,10 @@ def _validate_rl(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     _fail("rl.rollout.top_k", r.top_k, "must be an int >= 0 (0 = off)")
   if not 0 < r.top_p <= 1:
     _fail("rl.rollout.top_p", r.top_p, "must be in (0, 1]")
+  v = config.model.vocab_size
+  if not isinstance(r.draft_vocab, int) or not 0 <= r.draft_vocab <= v:
+    _fail("rl.rollout.draft_vocab", r.draft_vocab,
+          f"an int in [0, {v}] (model.vocab_size; 0 = the whole head)")
   k = config.model.num_draft_steps
   if not isinstance(r.num_draft_steps, int) or not 0 <= r.num_draft_steps <= k:
     _fail("rl.rollout.num_draft_steps", r.num_draft_steps,

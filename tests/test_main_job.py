@@ -172,3 +172,28 @@ def test_decode_benchmark_rows_per_draft_vocabulary(job):
   assert rows[0]["acceptance_teacher_forced"] is not None
   assert rows[1]["acceptance_teacher_forced"] is None
   assert "block @6" in benchmark.format_row(rows[1])
+
+
+def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
+  """rl.rollout.draft_vocab picks its tokens from the drafter's stored counts (the stop
+  tokens in), and the RL stage's speculative engine decodes with it: every mode's held-out
+  rollouts, through multi_turn and the jitted loop."""
+  from bebop_jax import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+  _, workdir, config = job
+  config = config_lib.validate(config.copy_and_resolve_references())
+  assert rl_stage.draft_vocabulary(config, workdir) is None  # 0: the whole head
+  config.rl.rollout.draft_vocab = 8
+  ids = rl_stage.draft_vocabulary(config, workdir)
+  tok = get_tokenizer()
+  assert len(ids) == 8 and {tok.eos_id, tok.call_end_id} <= set(ids)
+  graphdef, params = mtp.load_policy(config, workdir)
+  task_objs = {"math": tasks_lib.get_task("math", **config.data.tasks["math"].knobs)}
+  examples = {"math": pipeline.eval_examples(config.data, "math", 4)}
+  ev = rl_stage.evaluate(config, graphdef, params, examples, task_objs, draft_vocab=ids)
+  assert set(ev["modes"]) == set(config.rl.eval.modes)
+  config.rl.rollout.draft_vocab = config.model.vocab_size + 1
+  with pytest.raises(ValueError, match="rl.rollout.draft_vocab"):
+    config_lib.validate(config)

@@ -33,6 +33,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -175,15 +176,19 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
                          stop_tokens: Sequence[int], row_stops: np.ndarray | None = None,
                          max_turn_tokens: int | None = None, max_turns: int = 16,
                          prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS,
-                         num_draft_steps: int | None = None) -> list[Episode]:
+                         num_draft_steps: int | None = None,
+                         draft_vocab: Sequence[int] | None = None) -> list[Episode]:
   """One episode per (prompt token list, environment) with speculative decoding; see the
   module docstring. `row_stops` [num_prompts, S] bool selects each prompt's stop tokens
   (default: all). The cache holds the prompt bucket plus `max_new_tokens` plus the draft
-  lookahead."""
+  lookahead. `draft_vocab`: optional token ids the drafter is restricted to
+  (speculative._decode)."""
   stop_tokens = tuple(int(t) for t in stop_tokens)
   _check_inputs(prompts, environments, row_stops, stop_tokens)
   k = num_draft_steps or nnx.merge(graphdef, state).config.num_draft_steps
-  common = dict(params=params, mode=mode, max_turn_tokens=max_turn_tokens)
+  common = dict(params=params, mode=mode, max_turn_tokens=max_turn_tokens,
+                draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab,
+                                                                          jnp.int32))
   episodes: list[Episode] = []
   for first in range(0, len(prompts), batch_size):
     chunk = prompts[first:first + batch_size]

@@ -53,6 +53,7 @@ from bebop_jax import evaluation
 from bebop_jax import rollout
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
 from bebop_jax.rl import placement as placement_lib
@@ -94,6 +95,25 @@ def load_initial_policy(config: ml_collections.ConfigDict, workdir: str
                           f"{source} (run them first, or set rl.init_from)")
 
 
+def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
+                     ) -> tuple[int, ...] | None:
+  """The reduced draft vocabulary of rl.rollout.draft_vocab (None when 0: the whole head),
+  chosen from the token counts stored with the drafter the RL stage starts from, with the
+  stop tokens always in."""
+  size = config.rl.rollout.draft_vocab
+  if not size:
+    return None
+  source = feedworkdir(config, workdir)
+  if mtp_stage.read_summary(source) is None:
+    raise FileNotFoundError(f"rl.rollout.draft_vocab={size} needs the drafter's token "
+                            f"counts: no completed MTP stage in {source}")
+  tok = get_tokenizer()
+  ids, cover = mtp_stage.draft_vocabulary(config, source, size,
+                                          always=(tok.eos_id, tok.call_end_id))
+  print(f"[rl] draft vocabulary: {size} tokens, {cover:.1%} of the drafter's training tokens")
+  return tuple(int(i) for i in ids)
+
+
 def rollout_settings(config: ml_collections.ConfigDict, **overrides) -> rollout.RolloutSettings:
   r = config.rl.rollout
   kw = dict(engine=r.engine, mode=r.mode, temperature=r.temperature, top_k=r.top_k,
@@ -107,8 +127,8 @@ def rollout_settings(config: ml_collections.ConfigDict, **overrides) -> rollout.
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task_objs
-             ) -> dict[str, Any]:
+def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task_objs,
+             draft_vocab: tuple[int, ...] | None = None) -> dict[str, Any]:
   """Held-out evaluation at the rollout temperature, speculative, in every rl.eval.modes.
   Every mode samples the policy exactly, so pass@1 pools them: per prompt the fraction of
   modes whose sample solves it (tasks.solved: reward 1; for code every test passes), per
@@ -119,7 +139,8 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
   per_mode, solved, rewards = {}, {}, {}
   for mode in config.rl.eval.modes:
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
-        config, engine="speculative", mode=mode, batch_size=config.eval.batch_size))
+        config, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
+        draft_vocab=draft_vocab))
     by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7)
     both = rollout.Rollouts.concatenate(list(by_task.values()))
     per_mode[mode] = {"acceptance": both.acceptance().tolist(),
@@ -196,6 +217,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   stage_start = time.perf_counter()
   place = placement_lib.make_placement(config)
   graphdef, params0, source = load_initial_policy(config, workdir)
+  draft_vocab = draft_vocabulary(config, workdir)
   seq_len = c.max_prompt_len + c.rollout.max_new_tokens
   learn = learner.Learner(c, graphdef, params0, mesh=place.learner_mesh,
                           rules=place.learner_rules, seq_len=seq_len)
@@ -227,7 +249,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   def held_out() -> dict[str, Any]:
     with store.read() as (params, _), place.rollout_context():
-      return evaluate(config, graphdef, params, examples, task_objs)
+      return evaluate(config, graphdef, params, examples, task_objs, draft_vocab)
 
   evals_path = os.path.join(stage_dir(workdir), "evals.json")
   evals = {k: v for k, v in (metrics_lib.read_json(evals_path) or {}).items()
@@ -241,7 +263,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   num_steps = c.train.num_steps
   end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
   produce = _make_producer(config, graphdef, task_objs, store, place,
-                           tuple(c.acceptance_modes), learn.seq_len)
+                           tuple(c.acceptance_modes), learn.seq_len, draft_vocab)
 
   def draw():
     batch = next(prompts)
@@ -324,7 +346,8 @@ def _describe_timing(summary: dict) -> str:
 
 
 def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
-                   place: placement_lib.Placement, tf_modes, pack_length: int):
+                   place: placement_lib.Placement, tf_modes, pack_length: int,
+                   draft_vocab: tuple[int, ...] | None = None):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
   on the rollout side with the newest weights in `store`, rollout key fold_in(seed + 101,
   index), and the teacher-forced acceptance of its rows under the version that sampled them.
@@ -338,7 +361,8 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
   interrupt = c.asynchronous.enabled and c.asynchronous.interrupt
   base_key = jax.random.key(config.seed + 101)
   with store.read() as (params, version):
-    engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(config),
+    engine = rollout.JaxEngine(graphdef, params, task_objs,
+                               rollout_settings(config, draft_vocab=draft_vocab),
                                policy_version=version)
   engine.release_params()
   del params

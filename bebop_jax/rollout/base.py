@@ -41,6 +41,8 @@ class RolloutSettings:
   batch_size: rows per decoding call (a batch of examples is decoded in chunks of it).
   prompt_buckets: context lengths are padded to the smallest of these.
   max_turn_tokens: optional cap on one policy turn.
+  draft_vocab: optional token ids the speculative drafter is restricted to (a reduced draft
+    vocabulary, decoding/draft_vocab.py; None: the whole head).
   """
   engine: str = "speculative"
   mode: str = "rejection"
@@ -52,6 +54,7 @@ class RolloutSettings:
   batch_size: int = 32
   prompt_buckets: tuple[int, ...] = batching.PROMPT_BUCKETS
   max_turn_tokens: int | None = None
+  draft_vocab: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.engine not in ENGINES:

@@ -109,7 +109,7 @@ class JaxEngine(base.RolloutEngine):
     if s.engine == "speculative":
       episodes = multi_turn.speculative_episodes(
           self.graphdef, params, prompts, envs, rng, mode=s.decode_mode,
-          num_draft_steps=self.num_draft_steps, **common)
+          num_draft_steps=self.num_draft_steps, draft_vocab=s.draft_vocab, **common)
     else:
       episodes = multi_turn.autoregressive_episodes(self.graphdef, params, prompts, envs,
                                                     rng, **common)
