@@ -1,5 +1,6 @@
 """Speculative generation with MTP drafts on the tiny model."""
 
+import functools
 import os
 import types
 
@@ -345,3 +346,151 @@ def test_a_full_draft_vocabulary_decodes_as_none_and_a_reduced_one_drafts_inside
                                     draft_head=head[:, _DRAFT_VOCAB])
   np.testing.assert_allclose(np.asarray(sub_logits),
                              np.asarray(full_logits)[:, _DRAFT_VOCAB], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------ adaptive draft length
+
+
+def _adaptive(graphdef, state, tokens, lengths, seed, *, schedule, k_max, segment=1,
+              compact=True, max_new=24, cache_length=64, temperature=1.0, mode="rejection",
+              stop_tokens=STOP, batch_factor=2):
+  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  return adaptive.generate(
+      graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
+      cache_length=cache_length, params=sampling.SamplingParams(temperature), mode=mode,
+      stop_tokens=stop_tokens, schedule=schedule,
+      settings=adaptive.Settings(k_max=k_max, segment=segment, compact=compact,
+                                 batch_factor=batch_factor))
+
+
+@pytest.mark.parametrize("mode", ["rejection", "block"])
+def test_adaptive_decoding_with_forced_switching_samples_the_autoregressive_law(
+    partly_trained, mode):
+  """K switched at every iteration (1, 0, 3, 2, ...: the autoregressive step, and depth
+  caches that must catch up) against autoregressive sampling, as the fixed-K test above."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  graphdef, params_state = partly_trained
+  b, n = 4096, 3
+  tokens = jnp.tile(jnp.asarray([[3, 4, 5, 6, 0, 0, 0, 0]], jnp.int32), (b, 1))
+  lengths = jnp.full((b,), 4, jnp.int32)
+  spec, st = _adaptive(graphdef, params_state, tokens, lengths, 1, k_max=3, mode=mode,
+                       schedule=lambda i: (1, 0, 3, 2)[i % 4], compact=False, max_new=8,
+                       cache_length=32, stop_tokens=())
+  assert set(st.k_iterations) == {0, 1, 2, 3}
+  ar = autoregressive.generate(graphdef, params_state, tokens, lengths, jax.random.key(2),
+                               max_new_tokens=8, cache_length=32,
+                               params=sampling.SamplingParams(1.0), stop_tokens=())
+  acc = np.asarray(spec.accepted).sum(0) / np.maximum(np.asarray(spec.attempted).sum(0), 1)
+  assert (0.1 < acc).all() and (acc < 0.95).all(), acc
+  cells = lambda t: [tuple(r) for r in np.asarray(t)[:, :n]]
+  a, c = cells(spec.tokens), cells(ar.tokens)
+  keys = sorted(set(a) | set(c))
+  ca = np.array([a.count(k) for k in keys])
+  cc = np.array([c.count(k) for k in keys])
+  common = (ca + cc) >= 20
+  table = np.stack([np.append(ca[common], ca[~common].sum()),
+                    np.append(cc[common], cc[~common].sum())])
+  table = table[:, table.sum(0) > 0]
+  _, pvalue, _, _ = stats.chi2_contingency(table)
+  assert pvalue > 1e-3, (mode, pvalue)
+
+
+def test_adaptive_decoding_at_temperature_zero_is_greedy_decoding_whatever_k_and_batch():
+  """exact mode emits argmax p whatever the drafts, so every schedule of K and every
+  gathering of the live rows into smaller batches must give greedy decoding's tokens; the
+  rows finish at different times (stop token), so the batch shrinks from 4 to 2 and 1."""
+  tokens, lengths = _prompts(b=4, seed=6)
+  greedy = lambda stops: autoregressive.generate(
+      GRAPHDEF, STATE, tokens, lengths, jax.random.key(0), max_new_tokens=24,
+      cache_length=64, params=sampling.SamplingParams(0.0), stop_tokens=stops)
+  # Stop tokens the greedy rows write at different times.
+  free = np.asarray(greedy(()).tokens)
+  stops = tuple(sorted({int(free[0, 3]), int(free[1, 9])}))
+  ar = greedy(stops)
+  out, st = _adaptive(GRAPHDEF, STATE, tokens, lengths, 0, k_max=2, segment=2,
+                      schedule=lambda i: (2, 0, 1)[i % 3], temperature=0.0, mode="exact",
+                      stop_tokens=stops)
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+  assert {batch for _, _, batch in st.segments} > {4}  # rows left the batch
+  assert len(set(np.asarray(ar.lengths))) > 2
+  n = np.asarray(out.lengths)
+  np.testing.assert_array_equal(np.asarray(out.policy_mask).sum(1), n)
+  # Every token after the first is emitted by a counted forward.
+  np.testing.assert_array_equal(np.asarray(out.emitted_by_forwards), n - 1)
+  assert sum(st.k_iterations.values()) == int(out.target_forwards)
+
+
+def test_depth_caches_catch_up_after_segments_with_fewer_drafts():
+  """After autoregressive steps (K = 0) and a segment with one draft, a segment with three
+  first brings every depth up to date: all depth-cache entries below the window equal a
+  fresh prefill of the committed sequence (as the fixed-K invariant test above)."""
+  tokens, lengths = _prompts(b=4, seed=3)
+  k = GRAPHDEF_K
+  params = sampling.SamplingParams(1.0)
+  ds = speculative.prefill(GRAPHDEF, STATE, tokens, lengths, jax.random.key(2),
+                           max_new_tokens=40, cache_length=64, params=params, stop_tokens=())
+  for depth, iterations in ((0, 7), (1, 3), (k, 3)):
+    ds = speculative.segment(GRAPHDEF, STATE, ds, jnp.int32(iterations), k=depth,
+                             params=params, mode="rejection")
+  n_all = np.asarray(ds.frontier)
+  np.testing.assert_array_equal(np.asarray(ds.synced), np.maximum(n_all - k, 0)[:, None]
+                                * np.ones((1, k), int))
+  model = nnx.merge(GRAPHDEF, STATE)
+  _, _, fresh = jax.jit(lambda x: model.prefill(model.init_cache(4, 64), x))(
+      ds.seq[:, :int(n_all.max()) + 2])
+  for row, n in enumerate(n_all):
+    assert n - k > int(lengths[row]) + 7  # the autoregressive steps' positions are checked
+    for name in ("k", "v"):
+      for depth in range(1, k + 1):
+        np.testing.assert_allclose(
+            np.asarray(ds.cache.mtp.stacked(name)[depth - 1, row, :, :n - k]),
+            np.asarray(fresh.mtp.stacked(name)[depth - 1, row, :, :n - k]), atol=2e-5,
+            err_msg=f"row {row} depth {depth} {name}")
+
+
+def _dots(fn, *args, **kwargs) -> int:
+  """dot_general equations in fn's jaxpr, sub-jaxprs (loops, conditionals) included."""
+  def count(jaxpr):
+    total = 0
+    for eqn in jaxpr.eqns:
+      total += eqn.primitive.name == "dot_general"
+      for sub in jax.core.jaxprs_in_params(eqn.params):
+        total += count(sub)
+    return total
+  return count(jax.make_jaxpr(functools.partial(fn, **kwargs))(*args).jaxpr)
+
+
+def test_k_zero_is_the_autoregressive_step_with_no_speculative_ops():
+  """The K = 0 segment's program holds exactly the matmuls of one target forward over one
+  token (no MTP depth, no draft head); K = 1 adds a depth's."""
+  tokens, lengths = _prompts(b=2)
+  params = sampling.SamplingParams(1.0)
+  ds = speculative.prefill(GRAPHDEF, STATE, tokens, lengths, jax.random.key(0),
+                           max_new_tokens=8, cache_length=32, params=params, stop_tokens=())
+  model = nnx.merge(GRAPHDEF, STATE)
+  one_step = _dots(lambda c, t, p: model.step(c, t, p, weights=model.loop_weights()),
+                   ds.cache, tokens[:, :1], lengths)
+  seg = lambda k: _dots(speculative._segment, GRAPHDEF, STATE, ds, jnp.int32(4),  # pylint: disable=protected-access
+                        k=k, params=params, program="sampled", mode_index=jnp.int32(0))
+  assert seg(0) == one_step
+  assert seg(1) > one_step
+
+
+def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_batch():
+  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  tokens, lengths = _prompts(b=2, seed=8)
+  settings = adaptive.Settings(k_max=1, segment=2, calibration_iterations=2)
+  run = lambda seed: adaptive.generate(
+      GRAPHDEF, STATE, tokens, lengths, jax.random.key(seed), max_new_tokens=24,
+      cache_length=64, params=sampling.SamplingParams(1.0), mode="rejection",
+      stop_tokens=STOP, settings=settings)
+  out, st = run(0)
+  assert {(e["k"], e["rows"]) for e in st.table.to_json()} == {(0, 1), (0, 2), (1, 1), (1, 2)}
+  assert st.calibration_s > 0
+  size = speculative.segment._cache_size()  # pylint: disable=protected-access
+  out2, st2 = run(1)
+  assert st2.table is st.table  # cached for the run and shape
+  assert speculative.segment._cache_size() == size  # pylint: disable=protected-access
+  assert sum(st2.k_iterations.values()) == int(out2.target_forwards)
+  assert all(0 <= k <= 1 for k in st2.k_iterations)

@@ -13,6 +13,15 @@ drafting, no verification). The rule picks the K of the highest expected tokens 
     to its bucket);
   choose_k(estimate, table, rows, bucket, k_max) -> K.
 
+The decoder (`generate`) prefills once (speculative.prefill) and then runs segments of
+`Settings.segment` iterations (speculative.segment), deciding K before each from the
+estimate and the table. Between segments, rows that finished leave the batch: the state is
+gathered down to the smallest batch bucket (powers of two below the batch) that holds the
+live rows, so a rollout's long tail runs at small batch, where speculation pays most. The
+cost table is measured once per run and shape (`calibrate`: a few timed iterations of each K
+at each batch bucket, on a scratch copy of the prefilled state), or, with calibration off,
+modelled from weight reads (`weight_read_costs`).
+
 The choice depends only on the past (acceptance already observed, costs measured before),
 so switching K between iterations leaves the output law unchanged: every iteration is an
 exact speculative step for whichever K it runs.
@@ -22,9 +31,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Sequence
+import logging
+import time
+from typing import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from bebop_jax.decoding import sampling
+from bebop_jax.decoding import speculative
 
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
@@ -38,12 +54,16 @@ def expected_tokens(alphas: Sequence[float], k: int) -> float:
 @dataclasses.dataclass
 class AcceptanceEstimate:
   """Per-depth acceptance, an exponential moving average with weight `smoothing` on each new
-  observation (accepted / attempted of one iteration or segment, where attempted > 0)."""
+  observation (accepted / attempted of one iteration or segment, where attempted > 0).
+  `measured` False (a seed that was not measured, e.g. optimistic ones) lets the first
+  observation of each depth replace its seed."""
   alphas: np.ndarray
   smoothing: float = 0.2
+  measured: bool = True
 
   def __post_init__(self):
     self.alphas = np.clip(np.asarray(self.alphas, np.float64), 0.0, 1.0)
+    self._seen = np.full(self.alphas.shape, bool(self.measured))
     if not 0 < self.smoothing <= 1:
       raise ValueError(f"smoothing={self.smoothing} is not allowed: must be in (0, 1]")
 
@@ -55,8 +75,9 @@ class AcceptanceEstimate:
                        f"one entry per depth {self.alphas.shape}")
     seen = attempted > 0
     rate = np.where(seen, accepted / np.maximum(attempted, 1), self.alphas)
-    self.alphas = np.where(seen, (1 - self.smoothing) * self.alphas + self.smoothing * rate,
-                           self.alphas)
+    weight = np.where(self._seen, self.smoothing, 1.0)
+    self.alphas = np.where(seen, (1 - weight) * self.alphas + weight * rate, self.alphas)
+    self._seen |= seen
 
 
 @dataclasses.dataclass
@@ -94,3 +115,213 @@ def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: 
     if rate > best_rate * (1 + 1e-12):
       best_k, best_rate = k, rate
   return best_k
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """config.decoding.adaptive: k_max drafts at most (<= the drafter's depths), the EMA
+  weight `smoothing` of each segment's observed acceptance, `calibrate` (measure the cost
+  table in-process; off: `weight_read_costs`), `segment` iterations between decisions (a
+  segment that keeps the K of the one before runs twice as many, up to `max_segment`, so a
+  settled choice costs few host round trips), `calibration_iterations` timed per (K, rows),
+  and `compact` (gather the live rows down to smaller batches as rows finish: the batch
+  sizes are the batch and the powers of `batch_factor` below it, each a program per K)."""
+  k_max: int
+  smoothing: float = 0.2
+  calibrate: bool = True
+  segment: int = 16
+  max_segment: int = 256
+  calibration_iterations: int = 16
+  compact: bool = True
+  batch_factor: int = 4
+
+  def __post_init__(self):
+    if self.batch_factor < 2:
+      raise ValueError(f"batch_factor={self.batch_factor} is not allowed: must be >= 2")
+    if self.k_max < 0:
+      raise ValueError(f"k_max={self.k_max} is not allowed: must be >= 0")
+    if not 1 <= self.segment <= self.max_segment or self.calibration_iterations < 1:
+      raise ValueError(f"segment={self.segment}, max_segment={self.max_segment} and "
+                       f"calibration_iterations={self.calibration_iterations}: need "
+                       "1 <= segment <= max_segment and calibration_iterations >= 1")
+
+
+@dataclasses.dataclass
+class Stats:
+  """What one adaptive call did: iterations run with each K, the (K, live rows, batch) of
+  each segment, the cost table it decided with and the final acceptance estimate."""
+  k_iterations: dict[int, int]
+  segments: list[tuple[int, int, int]]
+  table: CostTable
+  alphas: list[float]
+  calibration_s: float = 0.0
+
+  def to_json(self) -> dict:
+    return {"k_iterations": {str(k): v for k, v in sorted(self.k_iterations.items())},
+            "segments": [list(x) for x in self.segments], "cost_table": self.table.to_json(),
+            "acceptance_estimate": self.alphas, "calibration_s": self.calibration_s}
+
+
+def settings_from_config(config) -> Settings:
+  """config.decoding.adaptive as Settings (k_max 0: model.num_draft_steps)."""
+  a = config.decoding.adaptive
+  return Settings(k_max=a.k_max or config.model.num_draft_steps, smoothing=float(a.smoothing),
+                  calibrate=a.calibrate, segment=a.segment,
+                  max_segment=max(a.segment, Settings.max_segment),
+                  batch_factor=a.batch_factor)
+
+
+def batch_buckets(batch: int, factor: int = 4) -> list[int]:
+  """The batch sizes the live batch is gathered down to: `batch`, then the powers of
+  `factor` below it, largest first."""
+  sizes = [batch]
+  p = 1
+  while p < batch:
+    sizes.append(p)
+    p *= factor
+  return sorted(set(sizes), reverse=True)
+
+
+def _rows(tree, index: jax.Array, batch: int):
+  """Every leaf with a leading batch axis of size `batch`, at rows `index`."""
+  return jax.tree.map(lambda x: x[index] if getattr(x, "ndim", 0) and x.shape[0] == batch
+                      else x, tree)
+
+
+def _put_rows(full, part, index: np.ndarray):
+  """`full` (a whole batch's output) with rows `index` replaced by `part`'s rows; scalars
+  (the call's target_forwards) taken from `part`."""
+  return jax.tree.map(lambda f, p: f.at[index].set(p) if getattr(f, "ndim", 0) else p,
+                      full, part)
+
+
+def weight_read_costs(model_config, rows: Sequence[int], bucket: int, k_max: int,
+                      draft_vocab_size: int | None = None) -> CostTable:
+  """The cost table without calibration: decoding bound by weight reads, a verification of
+  K + 1 tokens costs one target step and each draft depth one MTP module plus the head
+  (over the draft vocabulary when reduced), in units of a target step's weights."""
+  c = model_config
+  d, f, v = c.d_model, c.mlp_dim, c.vocab_size
+  attn = d * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+  block = attn + 3 * d * f
+  target = c.num_layers * block + d * v
+  depth = block + 2 * d * d + d * (draft_vocab_size or v)
+  table = CostTable()
+  for r in rows:
+    for k in range(k_max + 1):
+      table.add(k, r, bucket, 1.0 + k * depth / target)
+  return table
+
+
+_TABLES: dict[tuple, CostTable] = {}  # calibrations, per run (process) and shape
+
+
+def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[int],
+              k_max: int, iterations: int, params, mode, draft_vocab=None) -> CostTable:
+  """Seconds per iteration of each K in 0..k_max at each batch size in `rows`, measured on
+  copies of the first rows of the prefilled state `s0` with every row live and no stop
+  token (their outputs are discarded). Each program runs once to compile, then is timed
+  (best of two). Cached per process by the shapes and settings."""
+  b = s0.seq.shape[0]
+  cache_length = s0.cache.length
+  key = (graphdef, tuple(sorted(rows)), k_max, iterations, params, mode, cache_length,
+         s0.seq.shape, s0.out.tokens.shape, jax.tree.structure(state),
+         tuple(x.shape for x in jax.tree.leaves(state)),
+         None if draft_vocab is None else tuple(np.asarray(draft_vocab)))
+  if key in _TABLES:
+    return _TABLES[key]
+  room = (s0.out.tokens.shape[1] - 1) // (k_max + 1)
+  iterations = max(1, min(iterations, room))
+  table = CostTable()
+  for r in sorted(rows, reverse=True):
+    base = _rows(s0, jnp.arange(r), b)
+    base = base.replace(done=jnp.zeros((r,), bool), stop=jnp.full_like(base.stop, -1),
+                        limit=jnp.full((r,), s0.out.tokens.shape[1], jnp.int32))
+    for k in range(k_max + 1):
+      times = []
+      for _ in range(3):  # the first run compiles; the best of the other two counts
+        s = jax.tree.map(jnp.copy, base)
+        t0 = time.perf_counter()
+        s = speculative.segment(graphdef, state, s, jnp.int32(iterations), k=k, params=params,
+                                mode=mode, draft_vocab=draft_vocab)
+        jax.block_until_ready(s.out.lengths)
+        times.append(time.perf_counter() - t0)
+      table.add(k, r, cache_length, min(times[1:]) / iterations)
+  _TABLES[key] = table
+  logging.info("adaptive decoding cost table (seconds per iteration): %s", table.to_json())
+  return table
+
+
+def generate(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+             rng: jax.Array, *, max_new_tokens: int, cache_length: int,
+             params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
+             settings: Settings, acceptance: Sequence[float] | None = None,
+             draft_vocab: jax.Array | None = None, row_stops: jax.Array | None = None,
+             table: CostTable | None = None,
+             schedule: Callable[[int], int] | None = None
+             ) -> tuple[speculative.SpeculativeOutput, Stats]:
+  """Speculative decoding with a draft length chosen before every segment (module
+  docstring). `acceptance`: the drafter's measured per-depth acceptance, the estimate's
+  seed (None: optimistic ones, replaced by the first observation of each depth).
+  `table`: a cost table to use instead of calibrating (or modelling) one. `schedule`:
+  K of segment i, overriding the rule (tests force switching with it). Returns the whole
+  batch's output (as speculative.generate) and what the call did."""
+  k_max = settings.k_max
+  calibration_s = 0.0
+  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                          max_new_tokens=max_new_tokens, cache_length=cache_length,
+                          params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
+                          num_draft_steps=max(k_max, 1))
+  b = prompt_tokens.shape[0]
+  buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
+  if table is None and schedule is not None:
+    table = CostTable()  # K is forced: nothing to decide with
+  if table is None:
+    t0 = time.perf_counter()
+    if settings.calibrate:
+      table = calibrate(graphdef, state, s, rows=buckets, k_max=k_max,
+                        iterations=settings.calibration_iterations, params=params, mode=mode,
+                        draft_vocab=draft_vocab)
+    else:
+      from flax import nnx  # pylint: disable=g-import-not-at-top
+      model_config = nnx.merge(graphdef, state).config
+      table = weight_read_costs(model_config, buckets, cache_length, k_max,
+                                None if draft_vocab is None else draft_vocab.shape[0])
+    calibration_s = time.perf_counter() - t0
+  seed = np.ones(max(k_max, 1)) if acceptance is None else np.asarray(acceptance)[:max(k_max, 1)]
+  estimate = AcceptanceEstimate(seed, settings.smoothing, measured=acceptance is not None)
+  full = None  # the whole batch's output, kept from the first time rows leave the batch
+  index = np.arange(b)  # the original row of each row of the current batch
+  done, attempted, accepted, forwards = jax.device_get(
+      (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+  stats = Stats(k_iterations={}, segments=[], table=table, alphas=[])
+  segment_i, k_before, iterations = 0, None, settings.segment
+  while not done.all():
+    live = int((~done).sum())
+    size = min(x for x in buckets if x >= live)
+    if settings.compact and size < s.seq.shape[0]:  # rows that finished leave the batch
+      full = (jax.tree.map(jnp.copy, s.out) if full is None else
+              _put_rows(full, s.out, index))
+      keep = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)[:size - live]])
+      s = _rows(s, jnp.asarray(keep), s.seq.shape[0])
+      index, attempted, accepted = index[keep], attempted[keep], accepted[keep]
+    k = (schedule(segment_i) if schedule is not None else
+         choose_k(estimate, table, live, cache_length, k_max))
+    iterations = (min(2 * iterations, settings.max_segment) if k == k_before else
+                  settings.segment)
+    s = speculative.segment(graphdef, state, s, jnp.int32(iterations), k=k,
+                            params=params, mode=mode, draft_vocab=draft_vocab)
+    done, now_att, now_acc, now_fwd = jax.device_get(
+        (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+    estimate.update((now_acc - accepted).sum(0), (now_att - attempted).sum(0))
+    stats.k_iterations[k] = stats.k_iterations.get(k, 0) + int(now_fwd - forwards)
+    stats.segments.append((k, live, s.seq.shape[0]))
+    attempted, accepted, forwards = now_att, now_acc, now_fwd
+    segment_i, k_before = segment_i + 1, k
+  full = s.out if full is None else _put_rows(full, s.out, index)
+  stats.alphas = [float(a) for a in estimate.alphas]
+  stats.calibration_s = calibration_s
+  return full, stats

@@ -115,6 +115,7 @@ class DecodeState:
   limit: jax.Array      # [B] output length at which the current turn stops
   stop: jax.Array       # [B, S] the row's stop tokens (-1: off; batching.stop_table)
   done: jax.Array       # [B]
+  synced: jax.Array     # [B, K] depth k's cache entries below synced[:, k-1] are exact
   out: SpeculativeOutput
 
 
@@ -161,6 +162,7 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
       frontier=prompt_lengths - 1,
       limit=batching.turn_limit(lengths, max_new_tokens, max_turn_tokens),
       stop=batching.stop_table(stop_tokens, row_stops, b), done=jnp.zeros((b,), bool),
+      synced=jnp.tile(jnp.maximum(prompt_lengths - 1 - k, 0)[:, None], (1, k)),
       out=SpeculativeOutput(
           tokens=zeros(jnp.int32), lengths=lengths, policy_mask=zeros(bool),
           logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
@@ -174,15 +176,19 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
   return _emit_sampled(s, logits[rows, s.frontier], key, jnp.ones((b,), bool), params)
 
 
-def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None) -> DecodeState:
+def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None, k=None,
+            iterations=None) -> DecodeState:
   """Runs the draft-verify-commit loop until every row is done (w: model.loop_weights()).
   mode: "exact", or a traced int32 index into verification.SAMPLED_MODES.
   draft_vocab: optional [V_d] token ids (draft_vocab.py): the drafts come from the head's
   columns of those tokens only, and q is 0 on every other token, which the verification
-  (rejection, block, ...) covers exactly."""
+  (rejection, block, ...) covers exactly.
+  k: drafts per iteration, 1..K of the state (default K); iterations: optional traced
+  bound on the iterations run (a segment of adaptive decoding, `segment`)."""
   b = s.seq.shape[0]
   buf_len = s.seq.shape[1]
-  k = s.out.attempted.shape[1]
+  k_state = s.out.attempted.shape[1]
+  k = k_state if k is None else k
   max_new_tokens = s.out.tokens.shape[1]
   window = k + 1  # see the module docstring: the narrowest window that keeps the invariant
   rows = jnp.arange(b)
@@ -259,8 +265,8 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None) -> Deco
     emitted_ent = sampling.entropy(t_logits)
     # Depth j decides emitted token j-1, so it counts as attempted (accepted) only when that
     # token is emitted: drafts past a stop token or the length limit decide nothing.
-    depth_idx = jnp.arange(k)[None, :]
-    attempted_depths = jnp.minimum(num_acc + 1, count)
+    depth_idx = jnp.arange(k_state)[None, :]
+    attempted_depths = jnp.minimum(jnp.minimum(num_acc + 1, count), k)
     accepted_depths = jnp.minimum(num_acc, count)
     out = o.replace(
         tokens=o.tokens.at[rows[:, None], slots].set(emitted, mode="drop"),
@@ -271,7 +277,7 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None) -> Deco
         accepted=o.accepted + (depth_idx < accepted_depths[:, None]),
         emitted_by_forwards=o.emitted_by_forwards + count,
         frontier_depths=o.frontier_depths.at[rows, jnp.where(active, n, buf_len)].set(
-            jnp.minimum(attempted_depths, k), mode="drop"),
+            attempted_depths, mode="drop"),
         target_forwards=o.target_forwards + 1)
     # Committed tokens by position (only the emitted ones; drafts past them are scratch).
     positions = jnp.where(valid, n[:, None] + 2 + idx, buf_len)
@@ -283,11 +289,82 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None) -> Deco
     return s.replace(rng=rng, cache=cache, seq=new_seq, hidden=hidden, frontier=frontier,
                      done=done, out=out)
 
-  s = jax.lax.while_loop(cond, body, s)
+  s = _loop(cond, body, s, iterations)
+  # Every depth up to k is exact below the next window (the module docstring).
+  synced = s.synced.at[:, :k].set(jnp.maximum(s.frontier - k, 0)[:, None])
   # Every token the loop emitted was sampled by the policy.
   slot = jnp.arange(max_new_tokens)[None, :]
   emitted = (slot >= turn_start[:, None]) & (slot < s.out.lengths[:, None])
-  return s.replace(out=s.out.replace(policy_mask=s.out.policy_mask | emitted))
+  return s.replace(synced=synced, out=s.out.replace(policy_mask=s.out.policy_mask | emitted))
+
+
+def _loop(cond, body, s: DecodeState, iterations) -> DecodeState:
+  """lax.while_loop(cond, body, s), stopped after `iterations` when it is given."""
+  if iterations is None:
+    return jax.lax.while_loop(cond, body, s)
+  s, _ = jax.lax.while_loop(lambda c: cond(c[0]) & (c[1] < iterations),
+                            lambda c: (body(c[0]), c[1] + 1), (s, jnp.int32(0)))
+  return s
+
+
+def _autoregressive_steps(model, w, s: DecodeState, *, params, iterations) -> DecodeState:
+  """Adaptive decoding's K = 0: plain autoregressive steps (one target forward over x_{n+1},
+  x_{n+2} sampled from p_{n+1}), no drafting and no verification, for at most `iterations`
+  steps. The main hidden state of each position is kept, so a later segment with drafts can
+  bring the depth caches up to date (`_catch_up`)."""
+  b, buf_len = s.seq.shape
+  rows = jnp.arange(b)
+  cache_length = s.cache.length
+
+  def body(s: DecodeState):
+    active = ~s.done
+    n = s.frontier
+    logits, h0, cache = model.step(s.cache, s.seq[rows, n + 1][:, None],
+                                   jnp.where(active, n + 1, cache_length), weights=w)
+    o = s.out
+    s = s.replace(cache=cache,
+                  hidden=s.hidden.at[rows, jnp.where(active, n + 1, buf_len)].set(
+                      h0[:, 0], mode="drop"),
+                  frontier=jnp.where(active, n + 1, n),
+                  out=o.replace(emitted_by_forwards=o.emitted_by_forwards + active,
+                                target_forwards=o.target_forwards + 1))
+    rng, key = sampling.split_rows(s.rng, 2)
+    return _emit_sampled(s.replace(rng=rng), logits[:, 0], key, active, params)
+
+  return _loop(lambda s: ~jnp.all(s.done), body, s, iterations)
+
+
+def _catch_up(model, w, s: DecodeState, k: int, chunk: int) -> DecodeState:
+  """Brings depths 1..k up to the drafting invariant before a segment with k drafts: each
+  live row recomputes every depth over chunks of `chunk` positions from the lowest of those
+  depths' `synced` to the window start n - k (depths that ran less often, or not at all,
+  since the positions were committed: adaptive decoding with a smaller K, or K = 0). The
+  chunks go up in order and each depth reads the one below over the same chunk, as the
+  prefill does; positions a chunk writes past n - k are rewritten by the segment's windows
+  before anything attends to them. Drafts only affect acceptance, never the output law, so
+  this is about acceptance (a drafter reading stale caches drafts worse), not exactness."""
+  b, buf_len = s.seq.shape
+  rows = jnp.arange(b)
+  cache_length = s.cache.length
+  target = jnp.maximum(s.frontier - k, 0)
+  lo = jnp.min(s.synced[:, :k], axis=1)
+  offsets = jnp.arange(chunk)[None, :]
+
+  def body(c):
+    lo, cache = c
+    active = (lo < target) & ~s.done
+    start = jnp.where(active, lo, cache_length)  # inactive rows write past the cache
+    win = jnp.minimum(start[:, None] + offsets, buf_len - k - 1)
+    h_prev = s.hidden[rows[:, None], win]
+    for depth in range(1, k + 1):
+      _, h_prev, cache = model.mtp_step(cache, depth, h_prev, s.seq[rows[:, None], win + depth],
+                                        start, weights=w)
+    return jnp.where(active, lo + chunk, lo), cache
+
+  _, cache = jax.lax.while_loop(lambda c: jnp.any((c[0] < target) & ~s.done), body,
+                                (lo, s.cache))
+  synced = s.synced.at[:, :k].set(jnp.maximum(s.synced[:, :k], target[:, None]))
+  return s.replace(cache=cache, synced=synced)
 
 
 def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params,
@@ -438,3 +515,54 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array
 
 
 generate = _ModeArgument(jax.jit(_generate, static_argnames=_FIRST_STATIC))
+
+
+# ----------------------------------------------------------------- adaptive decoding
+# decoding/adaptive.py drives these: `prefill` once, then `segment`s with a K chosen between
+# them from live acceptance and measured cost, on a batch that shrinks as rows finish.
+
+_PREFILL_STATIC = ("graphdef", "params", "max_new_tokens", "cache_length", "num_draft_steps",
+                   "stop_tokens", "max_turn_tokens")
+
+
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
+def prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+            prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+            cache_length: int, params: sampling.SamplingParams, stop_tokens: Sequence[int],
+            row_stops: jax.Array | None = None, num_draft_steps: int | None = None,
+            max_turn_tokens: int | None = None) -> DecodeState:
+  """Prefills right-padded prompts [B, P] (main cache and every depth) and samples each
+  row's first token; no decoding. The state holds K = num_draft_steps depths."""
+  model = nnx.merge(graphdef, state)
+  k = _num_drafts(model, num_draft_steps)
+  return _start(model, model.loop_weights(), prompt_tokens, prompt_lengths, rng, k=k,
+                max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
+                stop_tokens=stop_tokens, row_stops=row_stops,
+                max_turn_tokens=max_turn_tokens)
+
+
+def _segment(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
+             iterations: jax.Array, *, k: int, params: sampling.SamplingParams, program: str,
+             mode_index: jax.Array, draft_vocab: jax.Array | None = None,
+             catch_up_chunk: int = 16) -> DecodeState:
+  """At most `iterations` iterations with k drafts each (0 <= k <= the state's K), until
+  every row is done. k = 0 is the plain autoregressive step; k >= 1 first brings depths
+  1..k up to date (`_catch_up`) and then runs the speculative loop with a window of k + 1.
+  Each iteration is an exact speculative (or autoregressive) step whatever k the one before
+  used, so segments with any sequence of k chosen from the past sample the target law.
+  Compiled once per (k, B, shapes); donates `decode_state`."""
+  model = nnx.merge(graphdef, state)
+  w = model.loop_weights()
+  k_state = decode_state.out.attempted.shape[1]
+  if not 0 <= k <= k_state:
+    raise ValueError(f"k={k} is not allowed: must be in [0, {k_state}]")
+  if k == 0:
+    return _autoregressive_steps(model, w, decode_state, params=params, iterations=iterations)
+  s = _catch_up(model, w, decode_state, k, catch_up_chunk)
+  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index),
+                 draft_vocab=draft_vocab, k=k, iterations=iterations)
+
+
+segment = _ModeArgument(jax.jit(
+    _segment, static_argnames=("graphdef", "params", "program", "k", "catch_up_chunk"),
+    donate_argnames=("decode_state",)))
