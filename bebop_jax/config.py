@@ -200,6 +200,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.eval.num_examples = 64      # per task
   c.rl.eval.modes = ("rejection", "greedy_draft")
 
+  # Adaptive draft length (decoding/adaptive.py): K in 0..k_max chosen before every segment
+  # of iterations from live per-depth acceptance and a measured cost table; K = 0 is the
+  # autoregressive step. Used by bench_decode.py (--adaptive) when enabled.
+  c.decoding = ml_collections.ConfigDict()
+  c.decoding.adaptive = ml_collections.ConfigDict(dict(
+      enabled=False,
+      k_max=0,                     # the most drafts; 0 = model.num_draft_steps
+      smoothing=0.2,               # EMA weight of each segment's observed acceptance
+      calibrate=True,              # measure the cost table in-process; False: weight reads
+      segment=16,                  # iterations between decisions (doubling while K holds)
+      batch_factor=4))             # finished rows leave: batches B, then powers of this
+
   # Evaluation stage (bebop_jax.report): decode speed and acceptance against entropy.
   c.report = ml_collections.ConfigDict()
   c.report.batch_sizes = (1, 8)    # speculative vs autoregressive wall clock at these
@@ -395,6 +407,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_init_from_hf(config.sft, model)
   _validate_mtp(config)
   _validate_rl(config, _validate_placement(config, data_parallel))
+  _validate_adaptive(config)
   r = config.report
   if not r.batch_sizes or any(not isinstance(b, int) or b < 1 for b in r.batch_sizes):
     _fail("report.batch_sizes", r.batch_sizes, "must be a non-empty tuple of positive ints")
@@ -419,6 +432,22 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive_int(config, "preview.examples_per_task")
   tokenizer_lib.set_tokenizer(tok)  # only a valid config changes the active tokenizer
   return config
+
+
+def _validate_adaptive(config: ml_collections.ConfigDict) -> None:
+  a = config.decoding.adaptive
+  k = config.model.num_draft_steps
+  if not isinstance(a.k_max, int) or isinstance(a.k_max, bool) or not 0 <= a.k_max <= k:
+    _fail("decoding.adaptive.k_max", a.k_max,
+          f"an int in [0, {k}] (model.num_draft_steps; 0 = all of them)")
+  if not isinstance(a.smoothing, (int, float)) or not 0 < a.smoothing <= 1:
+    _fail("decoding.adaptive.smoothing", a.smoothing, "must be in (0, 1]")
+  for key in ("enabled", "calibrate"):
+    if not isinstance(a[key], bool):
+      _fail(f"decoding.adaptive.{key}", a[key], "must be True or False")
+  _positive_int(config, "decoding.adaptive.segment")
+  if not isinstance(a.batch_factor, int) or a.batch_factor < 2:
+    _fail("decoding.adaptive.batch_factor", a.batch_factor, "must be an int >= 2")
 
 
 def _validate_tokenizer(spec: Any, chat_format: Any = False) -> tokenizer_lib.BaseTokenizer:

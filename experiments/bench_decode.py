@@ -24,6 +24,16 @@ With --draft_vocab=full,16384,8192,4096 every mode also runs with a reduced draf
 vocabulary of each size (decoding/draft_vocab.py: the drafter's most frequent training
 tokens and the stop tokens; the JSON's "draft_vocab_coverage" gives the share of those
 tokens each covers); its rows carry "draft_vocab".
+
+With --draft_lengths=1,2,3 every mode also runs at each fixed draft length (rows "k"), and
+with --adaptive (or config.decoding.adaptive.enabled) adaptive decoding
+(decoding/adaptive.py: K chosen from live acceptance and an in-process cost table, rows
+leaving the batch as they finish), its rows "k": "adaptive" with the iterations run at each
+K and the cost table:
+
+  python experiments/bench_decode.py --config=configs/quickstart.py --workdir=runs/quickstart \
+      --batch_sizes=1,8,64 --temperatures=1 --modes=rejection,block --draft_lengths=1,2,3 \
+      --adaptive
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
 from bebop_jax.data.tokenizer import get_tokenizer
-from bebop_jax.decoding import benchmark
+from bebop_jax.decoding import adaptive, benchmark
 from bebop_jax.train import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
@@ -68,6 +78,12 @@ _DRAFT_VOCAB = flags.DEFINE_list(
     "draft_vocab", ["full"],
     "Draft vocabularies: 'full' (the whole head) and/or sizes V_d of a reduced one, the "
     "drafter's most frequent training tokens plus the stop tokens (mtp.draft_vocabulary).")
+_LENGTHS = flags.DEFINE_list(
+    "draft_lengths", [], "Fixed draft lengths K to run each mode with (rows labelled k); "
+    "empty: the drafter's K only. K = 0 is the autoregressive loop (ratio 1).")
+_ADAPTIVE = flags.DEFINE_bool(
+    "adaptive", None, "Also run adaptive decoding (config.decoding.adaptive's settings); "
+    "default: config.decoding.adaptive.enabled.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default <workdir>/bench_decode.json).")
 
 
@@ -90,6 +106,8 @@ def main(argv):
     draft_vocabs[label] = ids
     print(f"draft vocabulary {label}: covers {coverage[label]:.1%} of the drafter's training "
           "tokens")
+  use_adaptive = (config.decoding.adaptive.enabled if _ADAPTIVE.value is None
+                  else _ADAPTIVE.value)
   if _BATCH.value:
     print(benchmark.header(_SPLIT.value))
   results = benchmark.run_benchmark(
@@ -97,7 +115,8 @@ def main(argv):
       temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
       max_new=_MAX_NEW.value, repeats=_REPEATS.value,
       num_prompts=_PROMPTS.value, split_fixed_cost=_SPLIT.value,
-      draft_vocabs=draft_vocabs)
+      draft_vocabs=draft_vocabs, draft_lengths=[int(k) for k in _LENGTHS.value],
+      adaptive_settings=adaptive.settings_from_config(config) if use_adaptive else None)
   episodes = {}
   if _EPISODES.value:
     print(f"\nmulti-turn: whole agentic episodes\n{benchmark.episode_header()}")

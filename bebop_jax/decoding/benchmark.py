@@ -17,15 +17,18 @@ whole context every turn, on the same held-out agentic prompts and keys.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import get_tokenizer, pipeline
-from bebop_jax.decoding import (autoregressive, diagnostics, multi_turn, sampling,
+
+from bebop_jax.decoding import (adaptive, autoregressive, diagnostics, multi_turn, sampling,
                                 speculative)
 from bebop_jax.decoding.batching import pad_rows
 
@@ -70,8 +73,8 @@ def best_times(fns: dict, batches, repeats: int) -> dict:
 
 
 def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
-                  repeats, num_prompts=32, split_fixed_cost=False, draft_vocabs=None
-                  ) -> list[dict]:
+                  repeats, num_prompts=32, split_fixed_cost=False, draft_vocabs=None,
+                  draft_lengths=None, adaptive_settings=None) -> list[dict]:
   """All measurements as a list of row dicts.
 
   With `split_fixed_cost`, every loop also runs the same prompts with max_new_tokens=1
@@ -81,8 +84,21 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
 
   `draft_vocabs`: {label: token ids or None (the full head)}: each mode runs once per
   reduced draft vocabulary (decoding/draft_vocab.py), its rows labelled `draft_vocab`; their
-  teacher-forced acceptance (the full head's) is left out."""
+  teacher-forced acceptance (the full head's) is left out.
+
+  `draft_lengths`: fixed draft lengths K (1 .. the drafter's depths) to run each mode with,
+  their rows labelled `k` (default: the drafter's K only, unlabelled); K = 0 is the
+  autoregressive loop itself (ratio 1). `adaptive_settings` (adaptive.Settings): each mode
+  also runs adaptive decoding (decoding/adaptive.py), seeded with the online acceptance of
+  that mode's fixed-K row of the most drafts, timed in a second round against the
+  autoregressive loop again; its rows have `k` "adaptive", the iterations run with each K
+  (`k_iterations`, summed over the pass) and the cost table it decided with."""
   draft_vocabs = draft_vocabs or {"full": None}
+  k_drafter = nnx.merge(graphdef, state).config.num_draft_steps
+  lengths_run = list(draft_lengths) if draft_lengths else [None]
+  for k in lengths_run:
+    if k is not None and not 1 <= k <= k_drafter:
+      raise ValueError(f"draft length {k} is not allowed: must be in [1, {k_drafter}]")
   # Stop where a real rollout turn stops (end of sequence, end of a tool call); both loops
   # stop on the same tokens.
   tok = get_tokenizer()
@@ -100,22 +116,35 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
             params=params, stop_tokens=stop)}
         for mode in (["exact"] if t == 0 else modes):
           for label, ids in draft_vocabs.items():
-            fns[(mode, label)] = (
-                lambda tokens, lengths, seed, mode=mode, ids=ids: speculative.generate(
-                    graphdef, state, tokens, lengths, jax.random.key(seed),
-                    max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
-                    params=params, mode=mode, stop_tokens=stop,
-                    draft_vocab=None if ids is None else jax.numpy.asarray(ids)))
+            for k in lengths_run:
+              fns[(mode, label, k)] = (
+                  lambda tokens, lengths, seed, mode=mode, ids=ids, k=k: speculative.generate(
+                      graphdef, state, tokens, lengths, jax.random.key(seed),
+                      max_new_tokens=max_new_tokens,
+                      cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode,
+                      stop_tokens=stop, num_draft_steps=k,
+                      draft_vocab=None if ids is None else jax.numpy.asarray(ids)))
         return fns
 
       timed = best_times(loops(max_new), batches, repeats)
       fixed = ({name: seconds for name, (seconds, _) in
                 best_times(loops(1), batches, repeats).items()} if split_fixed_cost else None)
       ar_time, ar = timed.pop("autoregressive")
+      if adaptive_settings is not None:
+        timed.update(_adaptive_round(graphdef, state, batches, timed, k_drafter=k_drafter,
+                                     params=params, max_new=max_new, stop=stop,
+                                     repeats=repeats, settings=adaptive_settings,
+                                     draft_vocabs=draft_vocabs))
       ar_tokens = sum(int(np.asarray(o.lengths).sum()) for o in ar)
       ar_forwards = sum(int(o.target_forwards) for o in ar)
       num_rows = len(batches) * b
-      for (mode, label), (sp_time, sp) in timed.items():
+      for (mode, label, k), measured in timed.items():
+        stats = None
+        if k == "adaptive":
+          sp_time, ar_round_time, sp, stats = measured
+          sp_time *= ar_time / ar_round_time  # in the first round's autoregressive time
+        else:
+          sp_time, sp = measured
         sp_tokens = sum(int(np.asarray(o.lengths).sum()) for o in sp)
         att = sum(np.asarray(o.attempted).sum(0) for o in sp)
         acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
@@ -128,6 +157,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
         row = {
             "batch": b, "prompts": num_rows, "temperature": t, "mode": mode,
             **({} if len(draft_vocabs) == 1 and label == "full" else {"draft_vocab": label}),
+            **({} if k is None else {"k": k}),
             "ar_tokens_per_s": ar_tokens / ar_time,
             "spec_tokens_per_s": sp_tokens / sp_time,
             "speedup": (sp_tokens / sp_time) / (ar_tokens / ar_time),
@@ -141,12 +171,16 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
             "ar_target_forwards": ar_forwards,
             "spec_target_forwards": sum(int(o.target_forwards) for o in sp),
         }
-        if fixed is not None:
+        if stats is not None:
+          row.update(k_iterations=stats["k_iterations"], cost_table=stats["cost_table"],
+                     adaptive_seed=stats["seed"], spec_seconds_own_round=stats["seconds"],
+                     ar_seconds_own_round=stats["ar_seconds"])
+        if fixed is not None and (mode, label, k) in fixed:
           # Tokens after the first of each row, over the time after the fixed cost.
           ar_rate = (ar_tokens - num_rows) / max(ar_time - fixed["autoregressive"], 1e-9)
-          sp_rate = (sp_tokens - num_rows) / max(sp_time - fixed[(mode, label)], 1e-9)
+          sp_rate = (sp_tokens - num_rows) / max(sp_time - fixed[(mode, label, k)], 1e-9)
           row.update(ar_fixed_seconds=fixed["autoregressive"],
-                     spec_fixed_seconds=fixed[(mode, label)],
+                     spec_fixed_seconds=fixed[(mode, label, k)],
                      ar_fixed_share=fixed["autoregressive"] / ar_time,
                      decode_phase_speedup=sp_rate / ar_rate)
         results.append(row)
@@ -154,6 +188,53 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
       # This block's loops are not used again: free them (see release_compiled).
       release_compiled()
   return results
+
+
+def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_new, stop,
+                    repeats, settings, draft_vocabs) -> dict:
+  """Adaptive decoding's measurements for `run_benchmark`: per (mode, draft vocabulary), a
+  second `best_times` round of the autoregressive loop and adaptive decoding, seeded with
+  the online acceptance of that mode's fixed-K row of the most drafts in `timed`.
+  {(mode, label, "adaptive"): (seconds, autoregressive seconds of this round, outputs,
+  stats)}."""
+  most = {}  # (mode, label) -> (K, outputs) of its row with the most drafts
+  for (mode, label, k), (_, sp) in timed.items():
+    k = k_drafter if k is None else k
+    if k > most.get((mode, label), (0, None))[0]:
+      most[(mode, label)] = (k, sp)
+  out = {}
+  for (mode, label), (_, sp) in most.items():
+    att = sum(np.asarray(o.attempted).sum(0) for o in sp)
+    acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
+    seed = (acc / np.maximum(att, 1)).tolist()
+    ids = draft_vocabs[label]
+    stats = []
+
+    def run(tokens, lengths, rng_seed, mode=mode, ids=ids, seed=seed, stats=stats):
+      o, st = adaptive.generate(
+          graphdef, state, tokens, lengths, jax.random.key(rng_seed), max_new_tokens=max_new,
+          cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode,
+          stop_tokens=stop, settings=dataclasses.replace(settings, k_max=len(seed)),
+          acceptance=seed, draft_vocab=None if ids is None else jax.numpy.asarray(ids))
+      stats.append(st)
+      return o
+
+    fns = {"autoregressive": lambda tokens, lengths, rng_seed: autoregressive.generate(
+        graphdef, state, tokens, lengths, jax.random.key(rng_seed), max_new_tokens=max_new,
+        cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop),
+           "adaptive": run}
+    round_ = best_times(fns, batches, repeats)
+    last = stats[-len(batches):]  # the last pass's calls
+    k_iterations = {}
+    for st in last:
+      for kk, n in st.k_iterations.items():
+        k_iterations[str(kk)] = k_iterations.get(str(kk), 0) + n
+    out[(mode, label, "adaptive")] = (
+        round_["adaptive"][0], round_["autoregressive"][0], round_["adaptive"][1],
+        {"k_iterations": dict(sorted(k_iterations.items())), "seed": seed,
+         "cost_table": last[0].table.to_json(), "seconds": round_["adaptive"][0],
+         "ar_seconds": round_["autoregressive"][0]})
+  return out
 
 
 TF_ROWS = 16  # rows per teacher-forced forward in `run_benchmark`
@@ -196,7 +277,8 @@ def format_row(r: dict) -> str:
         if r["acceptance_teacher_forced"] is not None else "-")
   split = (f" {r['ar_fixed_share']:>5.0%} | {r['decode_phase_speedup']:>5.2f}x |"
            if "decode_phase_speedup" in r else "")
-  mode = r["mode"] + (f" @{r['draft_vocab']}" if "draft_vocab" in r else "")
+  mode = (r["mode"] + (f" @{r['draft_vocab']}" if "draft_vocab" in r else "") +
+          (f" K={r['k']}" if "k" in r else ""))
   return (f"| {r['batch']:>5} | {r['prompts']:>3} | {r['temperature']:>4g} | {mode:<12} | "
           f"{r['ar_tokens_per_s']:>9.1f} | {r['spec_tokens_per_s']:>9.1f} | "
           f"{r['speedup']:>5.2f}x | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |"
