@@ -127,7 +127,7 @@ def _reprefill_greedy(prompt, env, max_new_tokens, max_turn_tokens, stop):
     mask += [False] * len(reply)
 
 
-@pytest.mark.parametrize("engine", ["speculative", "autoregressive"])
+@pytest.mark.parametrize("engine", ["speculative", "autoregressive", "adaptive"])
 def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(engine):
   from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
   tok = get_tokenizer()
@@ -136,10 +136,18 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
   stop = (tok.eos_id, tok.call_end_id)
   kw = dict(max_new_tokens=48, max_turn_tokens=6)
   envs = [_EchoEnv(r, turns=2 + i) for i, r in enumerate(replies)]
-  if engine == "speculative":
+  stats = []
+  if engine in ("speculative", "adaptive"):
+    # adaptive: K from the weight-read cost model and an optimistic seed, so it drafts
+    # first and then switches as it observes the random model's drafts; rows leave the
+    # batch of 4 as they finish.
+    from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+    settings = (adaptive.Settings(k_max=K, segment=1, calibrate=False, batch_factor=2)
+                if engine == "adaptive" else None)
     episodes = multi_turn.speculative_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
-        params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop, **kw)
+        params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop,
+        adaptive_settings=settings, adaptive_stats=stats, **kw)
   else:
     episodes = multi_turn.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
@@ -162,7 +170,13 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
   attempted = sum(ep.attempted for ep in episodes)
   accepted = sum(ep.accepted for ep in episodes)
   assert accepted[0] < attempted[0]
-  assert all(ep.target_forwards == ep.attempted[0] > 0 for ep in episodes)
+  if engine == "speculative":
+    assert all(ep.target_forwards == ep.attempted[0] > 0 for ep in episodes)
+    return
+  assert all(ep.target_forwards >= ep.attempted[0] for ep in episodes)
+  used = {k for st in stats for k in st.k_iterations}
+  assert 0 in used and len(used) > 1, used  # switched between drafting and K = 0
+  assert len(stats) >= 3  # a start and continuations
 
 
 def test_episodes_compile_once_per_bucket():

@@ -255,61 +255,64 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
   return table
 
 
-def generate(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-             rng: jax.Array, *, max_new_tokens: int, cache_length: int,
-             params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
-             settings: Settings, acceptance: Sequence[float] | None = None,
-             draft_vocab: jax.Array | None = None, row_stops: jax.Array | None = None,
-             table: CostTable | None = None,
-             schedule: Callable[[int], int] | None = None
-             ) -> tuple[speculative.SpeculativeOutput, Stats]:
-  """Speculative decoding with a draft length chosen before every segment (module
-  docstring). `acceptance`: the drafter's measured per-depth acceptance, the estimate's
-  seed (None: optimistic ones, replaced by the first observation of each depth).
-  `table`: a cost table to use instead of calibrating (or modelling) one. `schedule`:
-  K of segment i, overriding the rule (tests force switching with it). Returns the whole
-  batch's output (as speculative.generate) and what the call did."""
+def _table(graphdef, state, s: speculative.DecodeState, *, settings: Settings, rows, params,
+           mode, draft_vocab) -> tuple[CostTable, float]:
+  """The cost table of `settings` (calibrated on `s`, or modelled) and the seconds it took."""
+  t0 = time.perf_counter()
+  if settings.calibrate:
+    table = calibrate(graphdef, state, s, rows=rows, k_max=settings.k_max,
+                      iterations=settings.calibration_iterations, params=params, mode=mode,
+                      draft_vocab=draft_vocab)
+  else:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    table = weight_read_costs(nnx.merge(graphdef, state).config, rows, s.cache.length,
+                              settings.k_max,
+                              None if draft_vocab is None else draft_vocab.shape[0])
+  return table, time.perf_counter() - t0
+
+
+def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.SamplingParams,
+           mode: str, settings: Settings, acceptance: Sequence[float] | None = None,
+           draft_vocab: jax.Array | None = None, table: CostTable | None = None,
+           schedule: Callable[[int], int] | None = None, whole_state: bool = False
+           ) -> tuple[speculative.DecodeState | speculative.SpeculativeOutput, Stats]:
+  """Decodes the current turn of every row of `s` (donated) in segments with a draft length
+  chosen before each (module docstring). `acceptance`: the drafter's measured per-depth
+  acceptance, the estimate's seed (None: optimistic ones, replaced by the first observation
+  of each depth). `table`: a cost table to use instead of calibrating (or modelling) one.
+  `schedule`: K of segment i, overriding the rule (tests force switching with it).
+  Returns the whole batch's state (`whole_state`, for a later turn) or output, and what
+  the call did."""
   k_max = settings.k_max
-  calibration_s = 0.0
-  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
-                          max_new_tokens=max_new_tokens, cache_length=cache_length,
-                          params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
-                          num_draft_steps=max(k_max, 1))
-  b = prompt_tokens.shape[0]
+  b = s.seq.shape[0]
   buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
+  calibration_s = 0.0
   if table is None and schedule is not None:
     table = CostTable()  # K is forced: nothing to decide with
   if table is None:
-    t0 = time.perf_counter()
-    if settings.calibrate:
-      table = calibrate(graphdef, state, s, rows=buckets, k_max=k_max,
-                        iterations=settings.calibration_iterations, params=params, mode=mode,
-                        draft_vocab=draft_vocab)
-    else:
-      from flax import nnx  # pylint: disable=g-import-not-at-top
-      model_config = nnx.merge(graphdef, state).config
-      table = weight_read_costs(model_config, buckets, cache_length, k_max,
-                                None if draft_vocab is None else draft_vocab.shape[0])
-    calibration_s = time.perf_counter() - t0
-  seed = np.ones(max(k_max, 1)) if acceptance is None else np.asarray(acceptance)[:max(k_max, 1)]
+    table, calibration_s = _table(graphdef, state, s, settings=settings, rows=buckets,
+                                  params=params, mode=mode, draft_vocab=draft_vocab)
+  depths = s.out.attempted.shape[1]
+  seed = np.ones(depths) if acceptance is None else np.asarray(acceptance, float)[:depths]
   estimate = AcceptanceEstimate(seed, settings.smoothing, measured=acceptance is not None)
-  full = None  # the whole batch's output, kept from the first time rows leave the batch
+  part = (lambda st: st) if whole_state else (lambda st: st.out)
+  full = None  # the whole batch, kept from the first time rows leave it
   index = np.arange(b)  # the original row of each row of the current batch
   done, attempted, accepted, forwards = jax.device_get(
       (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
-  stats = Stats(k_iterations={}, segments=[], table=table, alphas=[])
+  stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
+                calibration_s=calibration_s)
   segment_i, k_before, iterations = 0, None, settings.segment
   while not done.all():
     live = int((~done).sum())
     size = min(x for x in buckets if x >= live)
-    if settings.compact and size < s.seq.shape[0]:  # rows that finished leave the batch
-      full = (jax.tree.map(jnp.copy, s.out) if full is None else
-              _put_rows(full, s.out, index))
+    if size < s.seq.shape[0]:  # rows that finished leave the batch (never donated again)
+      full = part(s) if full is None else _put_rows(full, part(s), index)
       keep = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)[:size - live]])
       s = _rows(s, jnp.asarray(keep), s.seq.shape[0])
       index, attempted, accepted = index[keep], attempted[keep], accepted[keep]
     k = (schedule(segment_i) if schedule is not None else
-         choose_k(estimate, table, live, cache_length, k_max))
+         choose_k(estimate, table, live, s.cache.length, k_max))
     iterations = (min(2 * iterations, settings.max_segment) if k == k_before else
                   settings.segment)
     s = speculative.segment(graphdef, state, s, jnp.int32(iterations), k=k,
@@ -321,7 +324,51 @@ def generate(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Arra
     stats.segments.append((k, live, s.seq.shape[0]))
     attempted, accepted, forwards = now_att, now_acc, now_fwd
     segment_i, k_before = segment_i + 1, k
-  full = s.out if full is None else _put_rows(full, s.out, index)
   stats.alphas = [float(a) for a in estimate.alphas]
-  stats.calibration_s = calibration_s
-  return full, stats
+  return (part(s) if full is None else _put_rows(full, part(s), index)), stats
+
+
+def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+          rng: jax.Array, *, max_new_tokens: int, cache_length: int,
+          params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
+          settings: Settings, row_stops: jax.Array | None = None,
+          max_turn_tokens: int | None = None, **kwargs
+          ) -> tuple[speculative.DecodeState, Stats]:
+  """As speculative.start with an adaptive draft length: prefills and decodes the first
+  turn; the state (the whole batch) goes on to `continue_with_reply`. `kwargs`: `decode`'s
+  acceptance, draft_vocab, table and schedule."""
+  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                          max_new_tokens=max_new_tokens, cache_length=cache_length,
+                          params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
+                          num_draft_steps=max(settings.k_max, 1),
+                          max_turn_tokens=max_turn_tokens)
+  return decode(graphdef, state, s, params=params, mode=mode, settings=settings,
+                whole_state=True, **kwargs)
+
+
+def continue_with_reply(graphdef, state, decode_state: speculative.DecodeState,
+                        reply_tokens: jax.Array, reply_lengths: jax.Array, *,
+                        params: sampling.SamplingParams, mode: str, settings: Settings,
+                        max_turn_tokens: int | None = None, **kwargs
+                        ) -> tuple[speculative.DecodeState, Stats]:
+  """As speculative.continue_with_reply with an adaptive draft length (the state donated).
+  Depths left behind are caught up by the next segment that drafts with them."""
+  s = speculative.append_reply(graphdef, state, decode_state, reply_tokens, reply_lengths,
+                               params=params, max_turn_tokens=max_turn_tokens)
+  return decode(graphdef, state, s, params=params, mode=mode, settings=settings,
+                whole_state=True, **kwargs)
+
+
+def generate(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+             rng: jax.Array, *, max_new_tokens: int, cache_length: int,
+             params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
+             settings: Settings, row_stops: jax.Array | None = None, **kwargs
+             ) -> tuple[speculative.SpeculativeOutput, Stats]:
+  """Single-turn speculative decoding with an adaptive draft length: the whole batch's
+  output (as speculative.generate) and what the call did. `kwargs`: `decode`'s
+  acceptance, draft_vocab, table and schedule."""
+  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                          max_new_tokens=max_new_tokens, cache_length=cache_length,
+                          params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
+                          num_draft_steps=max(settings.k_max, 1))
+  return decode(graphdef, state, s, params=params, mode=mode, settings=settings, **kwargs)

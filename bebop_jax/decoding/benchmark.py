@@ -163,7 +163,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
             "speedup": (sp_tokens / sp_time) / (ar_tokens / ar_time),
             "tokens_per_target_forward": speculative.tokens_per_target_forward(
                 np.concatenate([np.asarray(o.emitted_by_forwards) for o in sp]),
-                np.concatenate([np.asarray(o.attempted)[:, 0] for o in sp])),
+                np.concatenate([np.asarray(o.row_forwards) for o in sp])),
             "acceptance_online": (acc / np.maximum(att, 1)).tolist(),
             "acceptance_teacher_forced": teacher_forced,
             "ar_seconds": ar_time, "spec_seconds": sp_time,

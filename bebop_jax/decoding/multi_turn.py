@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from bebop_jax.data.tokenizer import get_tokenizer
-from bebop_jax.decoding import autoregressive, batching, sampling, speculative
+from bebop_jax.decoding import adaptive, autoregressive, batching, sampling, speculative
 
 
 @dataclasses.dataclass
@@ -177,12 +177,24 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
                          max_turn_tokens: int | None = None, max_turns: int = 16,
                          prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS,
                          num_draft_steps: int | None = None,
-                         draft_vocab: Sequence[int] | None = None) -> list[Episode]:
+                         draft_vocab: Sequence[int] | None = None,
+                         adaptive_settings: Any = None,
+                         acceptance: Sequence[float] | None = None,
+                         adaptive_stats: list | None = None) -> list[Episode]:
   """One episode per (prompt token list, environment) with speculative decoding; see the
   module docstring. `row_stops` [num_prompts, S] bool selects each prompt's stop tokens
   (default: all). The cache holds the prompt bucket plus `max_new_tokens` plus the draft
   lookahead. `draft_vocab`: optional token ids the drafter is restricted to
-  (speculative._decode)."""
+  (speculative._decode). `adaptive_settings` (adaptive.Settings): decode with an adaptive
+  draft length (decoding/adaptive.py; k_max replaces num_draft_steps), its estimate seeded
+  with `acceptance`; each call's adaptive.Stats is appended to `adaptive_stats`."""
+  if adaptive_settings is not None:
+    return _adaptive_episodes(
+        graphdef, state, prompts, environments, rng, batch_size=batch_size,
+        max_new_tokens=max_new_tokens, params=params, mode=mode, stop_tokens=stop_tokens,
+        row_stops=row_stops, max_turn_tokens=max_turn_tokens, max_turns=max_turns,
+        prompt_buckets=prompt_buckets, draft_vocab=draft_vocab, settings=adaptive_settings,
+        acceptance=acceptance, stats=adaptive_stats if adaptive_stats is not None else [])
   stop_tokens = tuple(int(t) for t in stop_tokens)
   _check_inputs(prompts, environments, row_stops, stop_tokens)
   k = num_draft_steps or nnx.merge(graphdef, state).config.num_draft_steps
@@ -206,18 +218,63 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
             graphdef, state, ds, replies, reply_lengths, **common),
         envs, _stop_sets(stop_tokens, row_stops, first, n), batch_size=batch_size,
         max_new_tokens=max_new_tokens, max_turns=max_turns)
-    out = jax.device_get(ds.out)
-    for i in range(n):
-      m = int(out.lengths[i])
-      episodes.append(Episode(
-          tokens=out.tokens[i, :m].tolist(), policy_mask=out.policy_mask[i, :m].tolist(),
-          logprobs=out.logprobs[i, :m].tolist(), entropy=out.entropy[i, :m].tolist(),
-          reward=reward[i], turns=turns[i], done=ended[i],
-          attempted=np.asarray(out.attempted[i], np.int64),
-          accepted=np.asarray(out.accepted[i], np.int64),
-          # depth 1 is attempted at every verification the row took part in
-          target_forwards=int(out.attempted[i, 0]),
-          emitted_by_forwards=int(out.emitted_by_forwards[i]), truncated=truncated[i]))
+    episodes += _speculative_chunk_episodes(jax.device_get(ds.out), n, reward, turns, ended,
+                                            truncated)
+  return episodes
+
+
+def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, batch_size,
+                       max_new_tokens, params, mode, stop_tokens, row_stops, max_turn_tokens,
+                       max_turns, prompt_buckets, draft_vocab, settings, acceptance,
+                       stats) -> list[Episode]:
+  """`speculative_episodes` with adaptive.start / adaptive.continue_with_reply."""
+  stop_tokens = tuple(int(t) for t in stop_tokens)
+  _check_inputs(prompts, environments, row_stops, stop_tokens)
+  k = max(settings.k_max, 1)
+  common = dict(params=params, mode=mode, settings=settings, max_turn_tokens=max_turn_tokens,
+                acceptance=acceptance,
+                draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab,
+                                                                          jnp.int32))
+
+  def keep(result):
+    ds, st = result
+    stats.append(st)
+    return ds
+
+  episodes: list[Episode] = []
+  for first in range(0, len(prompts), batch_size):
+    chunk = prompts[first:first + batch_size]
+    envs = list(environments[first:first + batch_size])
+    n = len(chunk)
+    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets)
+    rng, key = jax.random.split(rng)
+    ds = keep(adaptive.start(
+        graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
+        cache_length=prompt.shape[1] + max_new_tokens + k + 1, stop_tokens=stop_tokens,
+        row_stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)), **common))
+    ds, reward, turns, ended, truncated = _turns_in_slots(
+        ds, lambda ds, replies, reply_lengths: keep(adaptive.continue_with_reply(
+            graphdef, state, ds, replies, reply_lengths, **common)),
+        envs, _stop_sets(stop_tokens, row_stops, first, n), batch_size=batch_size,
+        max_new_tokens=max_new_tokens, max_turns=max_turns)
+    episodes += _speculative_chunk_episodes(jax.device_get(ds.out), n, reward, turns, ended,
+                                            truncated)
+  return episodes
+
+
+def _speculative_chunk_episodes(out, n, reward, turns, ended, truncated) -> list[Episode]:
+  """The first n rows of a speculative chunk's output as episodes."""
+  episodes = []
+  for i in range(n):
+    m = int(out.lengths[i])
+    episodes.append(Episode(
+        tokens=out.tokens[i, :m].tolist(), policy_mask=out.policy_mask[i, :m].tolist(),
+        logprobs=out.logprobs[i, :m].tolist(), entropy=out.entropy[i, :m].tolist(),
+        reward=reward[i], turns=turns[i], done=ended[i],
+        attempted=np.asarray(out.attempted[i], np.int64),
+        accepted=np.asarray(out.accepted[i], np.int64),
+        target_forwards=int(out.row_forwards[i]),
+        emitted_by_forwards=int(out.emitted_by_forwards[i]), truncated=truncated[i]))
   return episodes
 
 

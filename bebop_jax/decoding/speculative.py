@@ -71,9 +71,10 @@ class SpeculativeOutput:
   row took part in: each iteration's count, summed; a turn's first token comes from the
   prefill or the reply's forward and is not counted; `tokens_per_target_forward`),
   frontier_depths [B, P + N] (at each position n where a draft phase ran: how many depths
-  were verified there, for the self-consistency diagnostic); per call: target_forwards
-  (verification forwards after the prefill, summed over calls). A row's verifications are
-  its depth-1 attempts, attempted[:, 0]."""
+  were verified there, for the self-consistency diagnostic), row_forwards [B] (the target
+  forwards the row took part in after each turn's first token: its verifications, its
+  depth-1 attempts attempted[:, 0], plus adaptive decoding's autoregressive steps); per
+  call: target_forwards (loop forwards after the prefill, summed over calls)."""
   tokens: jax.Array
   lengths: jax.Array
   policy_mask: jax.Array
@@ -83,6 +84,7 @@ class SpeculativeOutput:
   accepted: jax.Array
   emitted_by_forwards: jax.Array
   frontier_depths: jax.Array
+  row_forwards: jax.Array
   target_forwards: jax.Array
 
 
@@ -169,7 +171,7 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
           attempted=jnp.zeros((b, k), jnp.int32), accepted=jnp.zeros((b, k), jnp.int32),
           emitted_by_forwards=jnp.zeros((b,), jnp.int32),
           frontier_depths=jnp.zeros((b, p + max_new_tokens), jnp.int32),
-          target_forwards=jnp.int32(0)))
+          row_forwards=jnp.zeros((b,), jnp.int32), target_forwards=jnp.int32(0)))
   # x_{n+1} from p_n: the first generated token. Keys are per row (row independence).
   rng, key = sampling.split_rows(s.rng, 2)
   s = s.replace(rng=rng)
@@ -276,6 +278,7 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None, k=None,
         attempted=o.attempted + (depth_idx < attempted_depths[:, None]),
         accepted=o.accepted + (depth_idx < accepted_depths[:, None]),
         emitted_by_forwards=o.emitted_by_forwards + count,
+        row_forwards=o.row_forwards + active,
         frontier_depths=o.frontier_depths.at[rows, jnp.where(active, n, buf_len)].set(
             attempted_depths, mode="drop"),
         target_forwards=o.target_forwards + 1)
@@ -327,6 +330,7 @@ def _autoregressive_steps(model, w, s: DecodeState, *, params, iterations) -> De
                       h0[:, 0], mode="drop"),
                   frontier=jnp.where(active, n + 1, n),
                   out=o.replace(emitted_by_forwards=o.emitted_by_forwards + active,
+                                row_forwards=o.row_forwards + active,
                                 target_forwards=o.target_forwards + 1))
     rng, key = sampling.split_rows(s.rng, 2)
     return _emit_sampled(s.replace(rng=rng), logits[:, 0], key, active, params)
@@ -539,6 +543,19 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                 max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
                 stop_tokens=stop_tokens, row_stops=row_stops,
                 max_turn_tokens=max_turn_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "max_turn_tokens"),
+                   donate_argnames=("decode_state",))
+def append_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
+                 reply_tokens: jax.Array, reply_lengths: jax.Array, *,
+                 params: sampling.SamplingParams,
+                 max_turn_tokens: int | None = None) -> DecodeState:
+  """`continue_with_reply`'s first half: appends the replies (rows with reply_lengths 0
+  are left alone) and samples the token after each; no decoding. Donates the state."""
+  model = nnx.merge(graphdef, state)
+  return _append(model, model.loop_weights(), decode_state, reply_tokens, reply_lengths,
+                 params=params, max_turn_tokens=max_turn_tokens)
 
 
 def _segment(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
