@@ -79,6 +79,10 @@ class EchoTask(base.Task):
 
 
 def _settings(engine, **kw):
+  if engine == "adaptive":  # speculative with an adaptive draft length
+    from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+    engine, kw = "speculative", kw | {"adaptive": adaptive.Settings(
+        k_max=CONFIG.num_draft_steps, segment=2, calibrate=False, batch_factor=2)}
   kw = dict(engine=engine, max_new_tokens=40, batch_size=8, prompt_buckets=(16, 64)) | kw
   return rollout.RolloutSettings(**kw)
 
@@ -133,10 +137,11 @@ def test_rollouts_of_a_mixed_batch(engine):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("engine", rollout.ENGINES)
+@pytest.mark.parametrize("engine", rollout.ENGINES + ("adaptive",))
 def test_behaviour_logprobs_equal_the_learners_recomputation(engine, temperature):
   """The sampler's log-probs of every sampled token, single-turn and across environment
-  replies, equal the learner's teacher-forced recomputation under the same parameters."""
+  replies, equal the learner's teacher-forced recomputation under the same parameters
+  (adaptive: draft lengths switching and rows leaving the batch between segments)."""
   tasks = {"math": CharTask(), "agentic": EchoTask(turns=2)}
   exs = [tasks["math"].sample(i) if i % 2 else tasks["agentic"].sample(i) for i in range(8)]
   eng = rollout.JaxEngine(GRAPHDEF, STATE, tasks,
@@ -149,6 +154,9 @@ def test_behaviour_logprobs_equal_the_learners_recomputation(engine, temperature
   m = batch["mask"] > 0
   assert m.sum() > 100 and (r.turns[::2] == 3).all()
   np.testing.assert_allclose(lp[m], batch["behaviour_logprobs"][m], atol=1e-5, rtol=0)
+  if engine == "adaptive":
+    assert sum(r.k_iterations.values()) > 0 and r.num_draft_steps == CONFIG.num_draft_steps
+    assert (r.target_forwards >= r.attempted[:, 0]).all()
 
 
 def test_speculative_and_autoregressive_reward_distributions_match():

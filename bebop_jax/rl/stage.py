@@ -54,6 +54,7 @@ from bebop_jax import rollout
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.decoding import adaptive
 from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
 from bebop_jax.rl import placement as placement_lib
@@ -114,13 +115,32 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
   return tuple(int(i) for i in ids)
 
 
-def rollout_settings(config: ml_collections.ConfigDict, **overrides) -> rollout.RolloutSettings:
+def drafter_acceptance(config: ml_collections.ConfigDict, workdir: str
+                       ) -> dict[str, tuple[float, ...]]:
+  """{mode: per-depth acceptance} the MTP stage measured for the drafter the RL stage
+  starts from (teacher-forced on held-out rollouts), the seed of adaptive decoding's
+  estimate; {} without a completed MTP stage or with adaptive decoding off."""
+  if not config.decoding.adaptive.enabled:
+    return {}
+  summary = mtp_stage.read_summary(feedworkdir(config, workdir)) or {}
+  return {m: tuple(float(a) for a in acc)
+          for m, acc in summary.get("acceptance_teacher_forced_by_mode", {}).items()}
+
+
+def rollout_settings(config: ml_collections.ConfigDict, seeds=None,
+                     **overrides) -> rollout.RolloutSettings:
+  """config.rl.rollout (and config.decoding.adaptive) as RolloutSettings; `seeds`:
+  `drafter_acceptance`'s {mode: acceptance}, the adaptive estimate's seed by mode."""
   r = config.rl.rollout
   kw = dict(engine=r.engine, mode=r.mode, temperature=r.temperature, top_k=r.top_k,
             top_p=r.top_p, num_draft_steps=r.num_draft_steps or None,
             max_new_tokens=r.max_new_tokens, batch_size=r.batch_size,
-            prompt_buckets=tuple(config.eval.prompt_buckets))
+            prompt_buckets=tuple(config.eval.prompt_buckets),
+            adaptive=(adaptive.settings_from_config(config)
+                      if config.decoding.adaptive.enabled else None))
   kw.update(overrides)
+  if kw["adaptive"] is not None and seeds:
+    kw.setdefault("acceptance", seeds.get(kw["mode"]))
   return rollout.RolloutSettings(**kw)
 
 
@@ -128,7 +148,7 @@ def rollout_settings(config: ml_collections.ConfigDict, **overrides) -> rollout.
 
 
 def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task_objs,
-             draft_vocab: tuple[int, ...] | None = None) -> dict[str, Any]:
+             draft_vocab: tuple[int, ...] | None = None, seeds=None) -> dict[str, Any]:
   """Held-out evaluation at the rollout temperature, speculative, in every rl.eval.modes.
   Every mode samples the policy exactly, so pass@1 pools them: per prompt the fraction of
   modes whose sample solves it (tasks.solved: reward 1; for code every test passes), per
@@ -139,7 +159,7 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
   per_mode, solved, rewards = {}, {}, {}
   for mode in config.rl.eval.modes:
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
-        config, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
+        config, seeds, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
         draft_vocab=draft_vocab))
     by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7)
     both = rollout.Rollouts.concatenate(list(by_task.values()))
@@ -196,6 +216,8 @@ def _batch_metrics(rollouts: rollout.Rollouts, group_size: int) -> dict[str, flo
            rollouts.rewards.reshape(-1, group_size).std(axis=1).mean())}
   for k, a in enumerate(rollouts.acceptance(), start=1):
     m[f"acceptance_{k}"] = float(a)
+  for k, n in sorted((rollouts.k_iterations or {}).items()):
+    m[f"adaptive/k{k}_iterations"] = int(n)
   for name in tasks_lib.TASK_NAMES:
     rows = rollouts.rows_of_task(name)
     if len(rows):
@@ -218,6 +240,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   place = placement_lib.make_placement(config)
   graphdef, params0, source = load_initial_policy(config, workdir)
   draft_vocab = draft_vocabulary(config, workdir)
+  seeds = drafter_acceptance(config, workdir)
   seq_len = c.max_prompt_len + c.rollout.max_new_tokens
   learn = learner.Learner(c, graphdef, params0, mesh=place.learner_mesh,
                           rules=place.learner_rules, seq_len=seq_len)
@@ -249,7 +272,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   def held_out() -> dict[str, Any]:
     with store.read() as (params, _), place.rollout_context():
-      return evaluate(config, graphdef, params, examples, task_objs, draft_vocab)
+      return evaluate(config, graphdef, params, examples, task_objs, draft_vocab, seeds)
 
   evals_path = os.path.join(stage_dir(workdir), "evals.json")
   evals = {k: v for k, v in (metrics_lib.read_json(evals_path) or {}).items()
@@ -263,7 +286,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   num_steps = c.train.num_steps
   end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
   produce = _make_producer(config, graphdef, task_objs, store, place,
-                           tuple(c.acceptance_modes), learn.seq_len, draft_vocab)
+                           tuple(c.acceptance_modes), learn.seq_len, draft_vocab, seeds)
 
   def draw():
     batch = next(prompts)
@@ -347,7 +370,7 @@ def _describe_timing(summary: dict) -> str:
 
 def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
                    place: placement_lib.Placement, tf_modes, pack_length: int,
-                   draft_vocab: tuple[int, ...] | None = None):
+                   draft_vocab: tuple[int, ...] | None = None, seeds=None):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
   on the rollout side with the newest weights in `store`, rollout key fold_in(seed + 101,
   index), and the teacher-forced acceptance of its rows under the version that sampled them.
@@ -362,7 +385,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
   base_key = jax.random.key(config.seed + 101)
   with store.read() as (params, version):
     engine = rollout.JaxEngine(graphdef, params, task_objs,
-                               rollout_settings(config, draft_vocab=draft_vocab),
+                               rollout_settings(config, seeds, draft_vocab=draft_vocab),
                                policy_version=version)
   engine.release_params()
   del params

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -43,6 +43,9 @@ class RolloutSettings:
   max_turn_tokens: optional cap on one policy turn.
   draft_vocab: optional token ids the speculative drafter is restricted to (a reduced draft
     vocabulary, decoding/draft_vocab.py; None: the whole head).
+  adaptive: optional decoding.adaptive.Settings: speculative rollouts choose their draft
+    length from live acceptance and measured cost (k_max replaces num_draft_steps), the
+    estimate seeded with `acceptance` (the drafter's measured per-depth acceptance).
   """
   engine: str = "speculative"
   mode: str = "rejection"
@@ -55,6 +58,8 @@ class RolloutSettings:
   prompt_buckets: tuple[int, ...] = batching.PROMPT_BUCKETS
   max_turn_tokens: int | None = None
   draft_vocab: tuple[int, ...] | None = None
+  adaptive: Any = None
+  acceptance: tuple[float, ...] | None = None
 
   def __post_init__(self):
     if self.engine not in ENGINES:
@@ -97,7 +102,8 @@ class Rollouts:
   forward); emitted_by_forwards [B] the policy tokens those forwards emitted (policy tokens
   minus one per turn); versions [B] int32 the parameter version that sampled each row
   (every token of a row: weights change only between decoding calls); policy_version: the
-  newest of them; seconds: wall time of `generate`.
+  newest of them; seconds: wall time of `generate`; k_iterations: adaptive rollouts'
+  decoding iterations run with each draft length K ({K: count}; None otherwise).
   """
   task_ids: np.ndarray
   prompt_tokens: np.ndarray
@@ -118,6 +124,7 @@ class Rollouts:
   policy_version: int = 0
   seconds: float = 0.0
   versions: np.ndarray | None = None
+  k_iterations: dict[int, int] | None = None
 
   def __post_init__(self):
     if self.versions is None:
@@ -178,8 +185,13 @@ class Rollouts:
     arrays = {f.name: np.concatenate([getattr(r, f.name) for r in padded])
               for f in dataclasses.fields(Rollouts)
               if isinstance(getattr(parts[0], f.name), np.ndarray)}
+    k_iterations = None
+    for r in parts:
+      for k, n in (r.k_iterations or {}).items():
+        k_iterations = k_iterations or {}
+        k_iterations[k] = k_iterations.get(k, 0) + n
     return Rollouts(**arrays, policy_version=max(r.policy_version for r in parts),
-                    seconds=sum(r.seconds for r in parts))
+                    seconds=sum(r.seconds for r in parts), k_iterations=k_iterations)
 
 
 def rollouts_from_episodes(episodes, prompts: Sequence[Sequence[int]],

@@ -36,7 +36,8 @@ class JaxEngine(base.RolloutEngine):
     self.num_draft_steps = 0
     if settings.engine == "speculative":
       model_k = nnx.merge(graphdef, params).config.num_draft_steps
-      self.num_draft_steps = settings.num_draft_steps or model_k
+      self.num_draft_steps = (max(settings.adaptive.k_max, 1) if settings.adaptive else
+                              settings.num_draft_steps or model_k)
       if not 1 <= self.num_draft_steps <= model_k:
         raise ValueError(f"num_draft_steps={settings.num_draft_steps} is not allowed: must be "
                          f"in [1, {model_k}] (the model's MTP depth)")
@@ -107,13 +108,22 @@ class JaxEngine(base.RolloutEngine):
                   max_turns=max((task.max_turns for task in task_objs), default=1),
                   prompt_buckets=s.prompt_buckets)
     if s.engine == "speculative":
+      stats = []
       episodes = multi_turn.speculative_episodes(
           self.graphdef, params, prompts, envs, rng, mode=s.decode_mode,
-          num_draft_steps=self.num_draft_steps, draft_vocab=s.draft_vocab, **common)
+          num_draft_steps=self.num_draft_steps, draft_vocab=s.draft_vocab,
+          adaptive_settings=s.adaptive, acceptance=s.acceptance, adaptive_stats=stats,
+          **common)
     else:
       episodes = multi_turn.autoregressive_episodes(self.graphdef, params, prompts, envs,
                                                     rng, **common)
-    return base.rollouts_from_episodes(
+    rollouts = base.rollouts_from_episodes(
         episodes, prompts, [tasks_lib.TASK_NAMES.index(ex.task) for ex in examples],
         max_new_tokens=s.max_new_tokens, num_draft_steps=self.num_draft_steps,
         policy_version=policy_version, seconds=time.perf_counter() - start)
+    if s.engine == "speculative" and s.adaptive is not None:
+      rollouts.k_iterations = {}
+      for st in stats:
+        for k, n in st.k_iterations.items():
+          rollouts.k_iterations[k] = rollouts.k_iterations.get(k, 0) + n
+    return rollouts
