@@ -1,5 +1,6 @@
 """The four-arm RL speed benchmark: {autoregressive, speculative} x {sync, async} rollouts on
-the same prompts and seeds (experiments/bench_rl.py runs it).
+the same prompts and seeds (experiments/bench_rl.py runs it), and two more arms on request:
+speculative rollouts with an adaptive draft length (decoding.adaptive), sync and async.
 
 Each arm is the `rl` stage from the same SFT/MTP workdir with `rl.rollout.engine` and
 `rl.asynchronous.enabled` set, in its own workdir.
@@ -58,6 +59,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 ARMS = ("autoregressive_sync", "autoregressive_async", "speculative_sync", "speculative_async")
+# Speculative rollouts with the draft length chosen by decoding.adaptive (--arms adds them).
+ADAPTIVE_ARMS = ("adaptive_sync", "adaptive_async")
+ALL_ARMS = ARMS + ADAPTIVE_ARMS
 BLOCK_STEPS = 8
 SCHEDULE_FILE = "bench_rl_schedule.json"
 # (A, B): A's speedup over B. The first three compare like with like (or both effects).
@@ -66,6 +70,11 @@ HEADLINE_PAIRS = (("speculative_async", "autoregressive_async"),
                   ("speculative_async", "autoregressive_sync"))
 OTHER_PAIRS = (("autoregressive_async", "autoregressive_sync"),
                ("speculative_async", "speculative_sync"))
+# The adaptive draft length against both fixed choices (K = 0 and the drafter's K), at
+# equal scheduling.
+ADAPTIVE_PAIRS = (("adaptive_sync", "autoregressive_sync"), ("adaptive_sync", "speculative_sync"),
+                  ("adaptive_async", "autoregressive_async"),
+                  ("adaptive_async", "speculative_async"))
 # The rollout side alone: speculative against autoregressive rollout seconds (sync arms).
 DECODE_PAIR = ("decode_speedup", "speculative_sync", "autoregressive_sync", "rollout_s")
 
@@ -77,10 +86,12 @@ def pair_name(a: str, b: str) -> str:
 def arm_overrides(arm: str, *, split: bool) -> dict[str, Any]:
   """`config.rl` overrides (dotted keys) of one arm; on split sub-meshes when `split` (else
   colocated, an async arm's rollout thread sharing the devices)."""
-  if arm not in ARMS:
-    raise ValueError(f"arm={arm!r} is not allowed: one of {ARMS}")
+  if arm not in ALL_ARMS:
+    raise ValueError(f"arm={arm!r} is not allowed: one of {ALL_ARMS}")
   engine, mode = arm.split("_")
-  out: dict[str, Any] = {"rollout.engine": engine, "asynchronous.enabled": mode == "async"}
+  out: dict[str, Any] = {"rollout.engine": "speculative" if engine == "adaptive" else engine,
+                         "asynchronous.enabled": mode == "async",
+                         "/decoding.adaptive.enabled": engine == "adaptive"}
   if split:
     out.update({"placement.mode": "split"})
   return out
@@ -192,7 +203,7 @@ def paired_ratio(a: Mapping[int, float], b: Mapping[int, float], *,
 def paired_ratios(records: Mapping[str, Sequence[Mapping[str, Any]]],
                   steady_steps: Mapping[str, Sequence[int]], *, block_steps: int | None,
                   interleaved: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
-  """Every pair of HEADLINE_PAIRS and OTHER_PAIRS whose arms are both present (step seconds,
+  """Every pair of HEADLINE_PAIRS, OTHER_PAIRS and ADAPTIVE_PAIRS whose arms are both present (step seconds,
   "of": "step_s"), and "decode_speedup" (rollout seconds of the sync arms, "of":
   "rollout_s"): paired_ratio over the steady steps of both arms, with "arms": [A, B].
 
@@ -208,7 +219,8 @@ def paired_ratios(records: Mapping[str, Sequence[Mapping[str, Any]]],
     return {int(r["step"]): float(r[key]) for r in records[arm] if r["step"] in keep}
 
   blocked = set(records if interleaved is None else interleaved)
-  pairs = [(pair_name(a, b), a, b, "step_s") for a, b in HEADLINE_PAIRS + OTHER_PAIRS]
+  pairs = [(pair_name(a, b), a, b, "step_s")
+           for a, b in HEADLINE_PAIRS + OTHER_PAIRS + ADAPTIVE_PAIRS]
   out = {}
   for name, a, b, key in pairs + [DECODE_PAIR]:
     if a in records and b in records:
@@ -360,7 +372,7 @@ def markdown(arms: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, Any],
     lines += [schedule_line(schedule), ""]
   lines += ["| arm | s/step | rollout s | learner s | rollout share | tokens/forward | "
             "staleness | learner idle s | time to target s |", "|---" * 9 + "|"]
-  for name in ARMS:
+  for name in ALL_ARMS:
     if name not in arms:
       continue
     a = arms[name]
@@ -375,7 +387,8 @@ def markdown(arms: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, Any],
     lines.append("No arm's held-out mean pass@1 rose above its start: no time to target.")
   if pairs:
     headline = _pair_rows(pairs, [pair_name(a, b) for a, b in HEADLINE_PAIRS], bold=True)
-    other = _pair_rows(pairs, [pair_name(a, b) for a, b in OTHER_PAIRS] + [DECODE_PAIR[0]])
+    other = _pair_rows(pairs, [pair_name(a, b) for a, b in OTHER_PAIRS] + [DECODE_PAIR[0]] +
+                       [pair_name(a, b) for a, b in ADAPTIVE_PAIRS])
     lines += ["", "Paired speedups: per step the log ratio of the two arms' seconds on the "
               "same prompts and seeds, averaged per block; exp(mean over blocks) with its "
               "Student-t 95% interval over blocks (> 1: the first arm is faster); the three "
@@ -538,6 +551,8 @@ def run_arms(config: Any, workdir: str, arms: Sequence[str], *, split: bool,
 
 
 def apply_overrides(config: Any, overrides: Mapping[str, Any]) -> Any:
-  """A copy of `config` with `config.rl` overrides by dotted key (e.g. "rollout.engine")."""
+  """A copy of `config` with `config.rl` overrides by dotted key (e.g. "rollout.engine"; a
+  key starting with "/" is from the config's root, e.g. "/decoding.adaptive.enabled")."""
   from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  return config_lib.apply_overrides(config, {f"rl.{k}": v for k, v in overrides.items()})
+  return config_lib.apply_overrides(
+      config, {k[1:] if k.startswith("/") else f"rl.{k}": v for k, v in overrides.items()})

@@ -33,7 +33,8 @@ _INIT = flags.DEFINE_string("init_from", None, "Workdir with the SFT/MTP stages 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (one subdirectory per arm).")
 _ARMS = flags.DEFINE_list("arms", ["autoregressive_sync", "autoregressive_async",
                                    "speculative_sync", "speculative_async"],
-                          "Arms to run, in the order of even blocks.")
+                          "Arms to run, in the order of even blocks (bebop_jax.bench_rl."
+                          "ALL_ARMS: also adaptive_sync, adaptive_async).")
 _STEPS = flags.DEFINE_integer("steps", 24, "RL steps per arm.")
 _BLOCK = flags.DEFINE_integer("block_steps", 8, "Steps per interleaved block; 0 (or >= "
                               "--steps): each arm in one go, one after the other, and the "

@@ -315,3 +315,15 @@ def test_default_target_is_halfway_to_the_best_improvement():
   arms = {"a": arm((0, 0.5), (8, 0.55), (16, 0.6)), "b": arm((0, 0.5), (8, 0.7))}
   assert bench.default_target(arms) == pytest.approx(0.6)
   assert bench.default_target({"a": arm((0, 0.5), (8, 0.45))}) is None
+
+
+def test_adaptive_arms_are_speculative_rollouts_with_the_adaptive_draft_length():
+  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  base = config_lib.base_config()
+  for arm in bench.ALL_ARMS:
+    cfg = bench.apply_overrides(base, bench.arm_overrides(arm, split=False))
+    engine, mode = arm.split("_")
+    assert cfg.rl.rollout.engine == ("autoregressive" if engine == "autoregressive"
+                                     else "speculative")
+    assert cfg.decoding.adaptive.enabled == (engine == "adaptive")
+    assert cfg.rl.asynchronous.enabled == (mode == "async")
