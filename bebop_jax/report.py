@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from bebop_jax import evaluation
-from bebop_jax.decoding import batching, benchmark, diagnostics, sampling
+from bebop_jax.decoding import adaptive, batching, benchmark, diagnostics, sampling
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.rl import stage as rl_stage
 from bebop_jax.train import mtp, sft
@@ -92,7 +92,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rows = benchmark.run_benchmark(
       config, graphdef, params, batch_sizes=tuple(r.batch_sizes), temperatures=[m.temperature],
       modes=list(modes), max_new=config.eval.max_new_tokens, repeats=r.repeats,
-      num_prompts=r.num_prompts)
+      num_prompts=r.num_prompts,
+      adaptive_settings=(adaptive.settings_from_config(config)
+                         if config.decoding.adaptive.enabled else None))
 
   # Acceptance against target entropy on the held-out rollouts.
   data_dir = os.path.join(mtp.sft_workdir(config, workdir), "mtp_data")
@@ -127,7 +129,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           "tokens_per_target_forward": {mode: after["online"][mode]["tokens_per_target_forward"]
                                         for mode in modes},
           "speedup_vs_autoregressive": {str(row["batch"]): row["speedup"] for row in rows
-                                        if row["mode"] == main_mode},
+                                        if row["mode"] == main_mode and "k" not in row},
+          **_adaptive_summary(rows, main_mode),
           "benchmark": rows},
       "entropy_fit": fits,
   }
@@ -149,6 +152,19 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         f"({timing['eval_s']:.0f}s)")
   print(headline(summary))
   return summary
+
+
+def _adaptive_summary(rows: list[dict], mode: str) -> dict[str, Any]:
+  """The adaptive rows of `mode` (benchmark.run_benchmark with adaptive settings): their
+  speed ratio, the iterations run with each K per batch size and the cost table; {} when
+  there are none."""
+  rows = [r for r in rows if r.get("k") == "adaptive" and r["mode"] == mode]
+  if not rows:
+    return {}
+  return {"adaptive": {
+      "speedup_vs_autoregressive": {str(r["batch"]): r["speedup"] for r in rows},
+      "k_iterations": {str(r["batch"]): r["k_iterations"] for r in rows},
+      "cost_table": [e for r in rows for e in r["cost_table"]]}}
 
 
 def rl_entropy_fit(r: dict) -> dict[str, dict[str, float]]:
@@ -268,11 +284,12 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
 
   fig, ax = plt.subplots(figsize=(6, 4))
   rows = s["decode"]["benchmark"]
-  modes = sorted({r["mode"] for r in rows})
   batches = sorted({r["batch"] for r in rows})
+  label = lambda r: r["mode"] + (" adaptive" if r.get("k") == "adaptive" else "")
+  modes = sorted({label(r) for r in rows})
   width = 0.8 / len(modes)
   for i, mode in enumerate(modes):
-    vals = [next(r["speedup"] for r in rows if r["mode"] == mode and r["batch"] == b)
+    vals = [next(r["speedup"] for r in rows if label(r) == mode and r["batch"] == b)
             for b in batches]
     ax.bar(np.arange(len(batches)) + i * width, vals, width, label=mode)
   ax.axhline(1.0, color="k", lw=0.8)
@@ -435,10 +452,20 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
             "online | teacher-forced at visited frontiers |",
             "|---|---|---|---|---|---|---|---|---|"]
   for r in d["benchmark"]:
-    lines.append(f"| {r['batch']} | {r['prompts']} | {r['mode']} | "
+    mode = r["mode"] + (" (adaptive K)" if r.get("k") == "adaptive" else "")
+    lines.append(f"| {r['batch']} | {r['prompts']} | {mode} | "
                  f"{r['ar_tokens_per_s']:.0f} | {r['spec_tokens_per_s']:.0f} | "
                  f"{r['speedup']:.2f}x | {r['tokens_per_target_forward']:.2f} | "
                  f"{fmt(r['acceptance_online'])} | {fmt(r['acceptance_teacher_forced'])} |")
+  if "adaptive" in d:
+    a = d["adaptive"]
+    lines += ["", "Adaptive draft length (decoding.adaptive): decoding iterations run with each "
+              "K, per batch size: " + "; ".join(
+                  f"batch {b}: " + ", ".join(f"K={k}: {n}" for k, n in hist.items())
+                  for b, hist in a["k_iterations"].items()) + ". Its cost table (seconds "
+              "per iteration by K and live rows, measured in-process): " + ", ".join(
+                  f"K={e['k']} rows={e['rows']}: {e['seconds'] * 1e3:.2f} ms"
+                  for e in a["cost_table"]) + "."]
   lines += ["", "Same prompts, same process, both loops compiled and warmed up first; the best "
             "of several passes; both stop at the end of a turn. On a CPU a decode step costs "
             "a fixed per-operation overhead plus arithmetic in proportion to the tokens it "

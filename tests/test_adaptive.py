@@ -55,3 +55,48 @@ def test_choose_k_switches_speculation_off_where_it_cannot_pay():
                            3) == 0
   with pytest.raises(KeyError, match="k=5"):
     table.lookup(5, 1, 256)
+
+
+def test_weight_read_costs_charge_each_depth_a_block_and_the_head():
+  from bebop_jax.model import config as model_config  # pylint: disable=g-import-not-at-top
+  c = model_config.preset("tiny")
+  t = adaptive.weight_read_costs(c, [1, 8], 64, 3)
+  d, f, v = c.d_model, c.mlp_dim, c.vocab_size
+  block = d * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * d * f
+  depth = (block + 2 * d * d + d * v) / (c.num_layers * block + d * v)
+  for k in range(4):
+    assert t.lookup(k, 8, 64) == pytest.approx(1 + k * depth)
+  reduced = adaptive.weight_read_costs(c, [1], 64, 3, draft_vocab_size=v // 4)
+  assert reduced.lookup(3, 1, 64) < t.lookup(3, 1, 64)
+
+
+def test_settings_and_batch_buckets():
+  assert adaptive.batch_buckets(64) == [64, 16, 4, 1]
+  assert adaptive.batch_buckets(8, 2) == [8, 4, 2, 1]
+  assert adaptive.batch_buckets(1) == [1]
+  with pytest.raises(ValueError, match="batch_factor=1 is not allowed"):
+    adaptive.Settings(k_max=3, batch_factor=1)
+  with pytest.raises(ValueError, match="segment=0"):
+    adaptive.Settings(k_max=3, segment=0)
+
+
+def test_an_unmeasured_seed_is_replaced_by_the_first_observation():
+  est = adaptive.AcceptanceEstimate([1.0, 1.0], smoothing=0.2, measured=False)
+  est.update([1, 0], [4, 0])
+  np.testing.assert_allclose(est.alphas, [0.25, 1.0])
+  est.update([4, 2], [4, 4])
+  np.testing.assert_allclose(est.alphas, [0.8 * 0.25 + 0.2, 0.5])
+
+
+def test_the_report_summarizes_adaptive_rows():
+  from bebop_jax import report  # pylint: disable=g-import-not-at-top
+  table = [{"k": 0, "rows": 1, "bucket": 64, "seconds": 0.001}]
+  rows = [{"batch": 1, "mode": "rejection", "speedup": 0.9},
+          {"batch": 1, "mode": "rejection", "k": "adaptive", "speedup": 1.1,
+           "k_iterations": {"0": 10, "2": 5}, "cost_table": table},
+          {"batch": 1, "mode": "block", "k": "adaptive", "speedup": 1.2,
+           "k_iterations": {"3": 4}, "cost_table": table}]
+  got = report._adaptive_summary(rows, "rejection")["adaptive"]  # pylint: disable=protected-access
+  assert got == {"speedup_vs_autoregressive": {"1": 1.1},
+                 "k_iterations": {"1": {"0": 10, "2": 5}}, "cost_table": table}
+  assert report._adaptive_summary(rows[:1], "rejection") == {}  # pylint: disable=protected-access

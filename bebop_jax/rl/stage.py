@@ -485,6 +485,11 @@ def _summary(config, workdir, evals, num_steps, source, seconds, compile_s):
           m: [[r.get(f"tf_acceptance_{m}_{d}") for d in range(1, k + 1)] for r in ordered]
           for m in tf_modes},
       "reward_by_step": [r["reward_mean"] for r in ordered],
+      # Adaptive rollouts (decoding.adaptive): decoding iterations run with each K, summed.
+      "adaptive_k_iterations": {
+          key.split("/k")[1].split("_")[0]: int(sum(r.get(key, 0) for r in ordered))
+          for key in sorted({key for r in ordered for key in r
+                             if key.startswith("adaptive/k")})},
       "entropy_by_step": [r["entropy"] for r in ordered],
       "eval_by_step": {s: {"pass_at_1": e["pass_at_1"], "pass_at_1_se": e["pass_at_1_se"],
                            "acceptance": {m: r["acceptance"] for m, r in e["modes"].items()}}
