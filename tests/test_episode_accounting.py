@@ -181,3 +181,13 @@ def test_truncated_and_emitted_tokens_of_episodes(engine):
   else:
     np.testing.assert_array_equal(r.target_forwards, r.emitted_by_forwards)
     assert r.tokens_per_target_forward() == 1.0
+
+
+def test_tokens_per_forward_by_task_pools_each_tasks_rows():
+  import types  # pylint: disable=g-import-not-at-top
+  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  out = lambda e, f: types.SimpleNamespace(emitted_by_forwards=np.array(e),
+                                           row_forwards=np.array(f))
+  got = benchmark.tokens_per_forward_by_task([out([6, 2], [2, 2]), out([9, 0], [3, 0])],
+                                             ["math", "code", "math", "code"])
+  assert got == {"code": 2 / 2, "math": (6 + 9) / (2 + 3)}

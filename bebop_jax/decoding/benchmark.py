@@ -33,21 +33,41 @@ from bebop_jax.decoding import (adaptive, autoregressive, diagnostics, multi_tur
 from bebop_jax.decoding.batching import pad_rows
 
 
-def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) -> list[tuple[np.ndarray, np.ndarray]]:
-  """max(batch, num_prompts) held-out prompts of all tasks (shuffled, cycled if needed) in
-  batches of `batch` rows, each right-padded to its prompt bucket (as a server buckets
-  requests; each loop compiles once per bucket, before timing)."""
-  tok = get_tokenizer()
+def _examples(config, batch: int, num_prompts: int) -> list:
+  """The held-out examples of `prompt_batches`, in its order."""
   examples = []
   for name in tasks_lib.TASK_NAMES:
     if config.data.tasks[name].weight > 0:
       examples += pipeline.eval_examples(config.data, name, 64)
   order = np.random.default_rng(0).permutation(len(examples))
   total = -(-max(batch, num_prompts) // batch) * batch
-  ids = [tok.encode_prompt(examples[order[i % len(order)]].prompt)
-         for i in range(total)]
+  return [examples[order[i % len(order)]] for i in range(total)]
+
+
+def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """max(batch, num_prompts) held-out prompts of all tasks (shuffled, cycled if needed) in
+  batches of `batch` rows, each right-padded to its prompt bucket (as a server buckets
+  requests; each loop compiles once per bucket, before timing)."""
+  tok = get_tokenizer()
+  ids = [tok.encode_prompt(ex.prompt) for ex in _examples(config, batch, num_prompts)]
   buckets = prompt_buckets or tuple(config.eval.prompt_buckets)
-  return [pad_rows(ids[start:start + batch], batch, buckets) for start in range(0, total, batch)]
+  return [pad_rows(ids[start:start + batch], batch, buckets)
+          for start in range(0, len(ids), batch)]
+
+
+def prompt_tasks(config, batch: int, num_prompts: int) -> list[str]:
+  """The task of each row of `prompt_batches(config, batch, num_prompts)`, in order."""
+  return [ex.task for ex in _examples(config, batch, num_prompts)]
+
+
+def tokens_per_forward_by_task(outputs, tasks: list[str]) -> dict[str, float]:
+  """Tokens per target forward of each task's rows (speculative.tokens_per_target_forward)
+  over the outputs of one pass (one per batch, rows in `prompt_tasks` order)."""
+  emitted = np.concatenate([np.asarray(o.emitted_by_forwards) for o in outputs])
+  forwards = np.concatenate([np.asarray(o.row_forwards) for o in outputs])
+  names = np.asarray(tasks)
+  return {t: speculative.tokens_per_target_forward(emitted[names == t], forwards[names == t])
+          for t in sorted(set(tasks))}
 
 
 def best_times(fns: dict, batches, repeats: int) -> dict:
@@ -106,6 +126,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
   results = []
   for b in batch_sizes:
     batches = prompt_batches(config, b, num_prompts)
+    row_tasks = prompt_tasks(config, b, num_prompts)
     for t in temperatures:
       params = sampling.SamplingParams(temperature=t)
 
@@ -164,6 +185,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
             "tokens_per_target_forward": speculative.tokens_per_target_forward(
                 np.concatenate([np.asarray(o.emitted_by_forwards) for o in sp]),
                 np.concatenate([np.asarray(o.row_forwards) for o in sp])),
+            "tokens_per_target_forward_by_task": tokens_per_forward_by_task(sp, row_tasks),
             "acceptance_online": (acc / np.maximum(att, 1)).tolist(),
             "acceptance_teacher_forced": teacher_forced,
             "ar_seconds": ar_time, "spec_seconds": sp_time,
