@@ -1,4 +1,5 @@
-r"""The README's key results, rendered from committed artifacts only.
+r"""The README's key results (and docs/results.md's real-policy section), rendered from
+committed artifacts only.
 
   python experiments/key_results.py --write     # rewrite README.md's generated blocks
   python experiments/key_results.py             # check them (exit 1 when stale)
@@ -14,6 +15,9 @@ Every number in the README's generated blocks comes from a json file under docs/
                                  the real policy (SMOLLM2_COMMAND, copied by
                                  `--main_job=runs/smollm2 --as=smollm2_main_job.json`, and
                                  SMOLLM2_BENCH_COMMAND)
+  docs/results_real/<finding>.json
+                                 the findings on the real policy (REAL_REPRODUCE_COMMAND),
+                                 summarized in docs/results.md's real_findings block
 A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` lines; the
 text around the blocks is written by hand. tests/test_readme.py checks that the README's
 blocks are what this script renders, and that every number in them is a number of the
@@ -46,6 +50,22 @@ SMOLLM2_BENCH_COMMAND = (
     "python experiments/bench_decode.py --config=configs/smollm2.py --workdir=runs/smollm2 "
     "--temperatures=1,0.7 --modes=rejection --max_new_tokens=64 --repeats=1 "
     "--batch_sizes=1,8 --num_prompts=16 (and --batch_sizes=64 --num_prompts=64)")
+# The findings on the real policy: their own page, summarized in a section of docs/results.md.
+RESULTS_PAGE = os.path.join(REPO, "docs", "results.md")
+REAL_RESULTS_DIR = os.path.join(REPO, "docs", "results_real")
+REAL_FINDINGS = ("acceptance_entropy", "greedy_vs_rejection", "objectives", "through_rl")
+REAL_REPRODUCE_COMMAND = (
+    "python experiments/reproduce.py --scale=real --workdir=runs/reproduce_real "
+    "--results=docs/results_real.md --only=objectives,through_rl,acceptance_entropy")
+REAL_SECTION = """## The real policy: SmolLM2-135M-Instruct
+
+The same findings on a real pretrained model, SmolLM2-135M-Instruct (`configs/smollm2.py`:
+SFT on math and code in its chat format, drafters from a copy of its last block), at the
+`real` scale (docs/reproduce.md: 2 seeds per MTP loss, short drafter and RL runs sized for
+two CPU cores). Every table, figure and rule is on its own page,
+[results_real.md](results_real.md); this section is rendered from its data
+(`docs/results_real/*.json`) by `python experiments/key_results.py --write`.
+"""
 MAIN_JOB_COMMAND = ("python -m bebop_jax.main --config=configs/quickstart.py "
                     "--workdir=runs/quickstart")
 # The paper's findings as the paper states them, with the findings here that test each.
@@ -62,9 +82,10 @@ CLAIMS = (
 )
 
 
-def load_findings(results_dir: str = RESULTS_DIR) -> dict[str, dict]:
+def load_findings(results_dir: str = RESULTS_DIR, names: tuple[str, ...] = FINDINGS
+                  ) -> dict[str, dict]:
   out = {}
-  for name in FINDINGS:
+  for name in names:
     with open(os.path.join(results_dir, f"{name}.json")) as f:
       out[name] = json.load(f)
   return out
@@ -162,11 +183,18 @@ SUMMARIES = {"acceptance_entropy": _f1, "greedy_vs_rejection": _f2, "objectives"
 def findings_block(findings: dict[str, dict]) -> str:
   """One row per finding: what was measured, the verdict, the rule version."""
   lines = ["| finding | measured here | verdict (rule) |", "|---|---|---|"]
-  for name in FINDINGS:
+  for name in findings:
     f = findings[name]
     lines.append(f"| {f['title']} | {SUMMARIES[name](f)} | **{f['verdict']}** "
                  f"({f['rule']['label']} v{f['rule']['current']}) |")
   return "\n".join(lines)
+
+
+def real_findings_block(findings: dict[str, dict]) -> str:
+  """docs/results.md's section on the real policy: the verdicts of its page, one row each."""
+  reproduced = sum(f["verdict"] == "reproduced" for f in findings.values())
+  return "\n".join([f"{reproduced} of {len(findings)} findings reproduced on the real policy, "
+                    f"by `{REAL_REPRODUCE_COMMAND}`:", "", findings_block(findings)])
 
 
 def main_job_block(s: dict) -> str:
@@ -208,10 +236,10 @@ def real_policy_block(s: dict, bench: dict | None) -> str:
   tpf = rl["tokens_per_target_forward_before"]["rejection"]
   tpf_after = rl["tokens_per_target_forward_after"]["rejection"]
   lines += ["", f"Its e2e-TV drafter (K = 3) earns {tpf:.2f} tokens per target forward before "
-            f"RL and {tpf_after:.2f} after (rejection sampling, at most 4). Its eval stage took "
-            f"{s['timing']['eval_s'] / 60:.1f} minutes (`{SMOLLM2_COMMAND}`, summary.json "
-            "`timing`; every stage's time is in docs/main_job.md). Speculative (rejection sampling) against autoregressive decoding, one "
-            "process: " + (
+            f"RL and {tpf_after:.2f} after (rejection sampling, at most 4). The job took "
+            f"{s['timing']['total_s'] / 60:.1f} minutes on two CPU cores (`{SMOLLM2_COMMAND}`, "
+            "summary.json `timing`; every stage's time is in docs/main_job.md). Speculative "
+            "(rejection sampling) against autoregressive decoding, one process: " + (
                 "the SFT policy with its trained drafter (the MTP stage's checkpoint), "
                 f"`{SMOLLM2_BENCH_COMMAND}`:" if bench else
                 "the job's eval stage, on the SFT policy with its trained drafter (summary.json "
@@ -236,6 +264,11 @@ def render(results_dir: str = RESULTS_DIR, main_job: str = MAIN_JOB) -> dict[str
               load_main_job(SMOLLM2_BENCH) if os.path.exists(SMOLLM2_BENCH) else None)}
 
 
+def render_results_page() -> dict[str, str]:
+  """docs/results.md's generated blocks."""
+  return {"real_findings": real_findings_block(load_findings(REAL_RESULTS_DIR, REAL_FINDINGS))}
+
+
 # ----------------------------------------------------------------------------- README
 
 
@@ -250,11 +283,11 @@ def blocks_of(text: str) -> dict[str, str]:
       r"<!-- generated:(\w+) -->\n(?:(.*?)\n)?<!-- /generated:\1 -->", text, re.S)}
 
 
-def with_blocks(text: str, blocks: dict[str, str]) -> str:
+def with_blocks(text: str, blocks: dict[str, str], what: str = "README.md") -> str:
   for name, body in blocks.items():
     pattern = _pattern(name)
     if not pattern.search(text):
-      raise ValueError(f"README.md has no <!-- generated:{name} --> block")
+      raise ValueError(f"{what} has no <!-- generated:{name} --> block")
     text = pattern.sub(
         lambda m, body=body: m.group(1) + (body + "\n" if body else "") + m.group(3), text)
   return text
@@ -277,19 +310,26 @@ def main(argv: list[str]) -> int:
     shutil.copyfile(os.path.join(workdir, "summary.json"), target)
     print(f"copied {workdir}/summary.json to {os.path.relpath(target, REPO)}")
     return 0
-  with open(README) as f:
-    text = f.read()
-  new = with_blocks(text, render())
-  if "--write" in argv:
-    with open(README, "w") as f:
-      f.write(new)
-    print("README.md: generated blocks written")
-    return 0
-  if new != text:
-    print("README.md's generated blocks are stale: python experiments/key_results.py --write")
-    return 1
-  print("README.md's generated blocks are current")
-  return 0
+  stale = 0
+  for path, blocks in ((README, render()), (RESULTS_PAGE, render_results_page())):
+    name = os.path.relpath(path, REPO)
+    with open(path) as f:
+      text = f.read()
+    if path == RESULTS_PAGE and "<!-- generated:real_findings -->" not in text:
+      # reproduce.py --scale=laptop rewrites the page whole: the section goes back at its end.
+      text = (text.rstrip("\n") + "\n\n" + REAL_SECTION +
+              "\n<!-- generated:real_findings -->\n<!-- /generated:real_findings -->\n")
+    new = with_blocks(text, blocks, name)
+    if "--write" in argv:
+      with open(path, "w") as f:
+        f.write(new)
+      print(f"{name}: generated blocks written")
+    elif new != text:
+      print(f"{name}'s generated blocks are stale: python experiments/key_results.py --write")
+      stale = 1
+    else:
+      print(f"{name}'s generated blocks are current")
+  return stale
 
 
 if __name__ == "__main__":

@@ -44,13 +44,29 @@ def test_every_number_in_the_key_results_is_an_artifact_number_at_its_precision(
                for n in key_results.FINDINGS]
   artifacts += [json.load(open(p)) for p in (key_results.MAIN_JOB, key_results.SMOLLM2_JOB,
                                              key_results.SMOLLM2_BENCH) if os.path.exists(p)]
-  values = [v for a in artifacts for v in _numbers(a)]
   blocks = _readme_blocks()
   # The claims block quotes the paper (its "up to 1.8x") beside the verdict words; the
   # measured numbers are in the other two.
   text = "\n".join(blocks[k] for k in ("findings", "main_job", "real_policy"))
+  _assert_artifact_numbers(text, artifacts, at_least=30)
+
+
+def test_the_results_page_real_policy_section_comes_from_its_artifacts():
+  with open(key_results.RESULTS_PAGE) as f:
+    blocks = key_results.blocks_of(f.read())
+  rendered = key_results.render_results_page()
+  assert blocks["real_findings"] == rendered["real_findings"], (
+      "docs/results.md's real_findings block is stale: python experiments/key_results.py "
+      "--write")
+  artifacts = [json.load(open(os.path.join(key_results.REAL_RESULTS_DIR, f"{n}.json")))
+               for n in key_results.REAL_FINDINGS]
+  _assert_artifact_numbers(blocks["real_findings"], artifacts, at_least=8)
+
+
+def _assert_artifact_numbers(text, artifacts, at_least):
+  values = [v for a in artifacts for v in _numbers(a)]
   found = re.findall(r"([+\-−]?)(\d+\.\d+)(%?)", text)
-  assert len(found) > 30
+  assert len(found) > at_least
   for sign, digits, percent in found:
     number = -float(digits) if sign in ("-", "−") else float(digits)
     places = len(digits.split(".")[1])
