@@ -100,3 +100,19 @@ def test_the_report_summarizes_adaptive_rows():
   assert got == {"speedup_vs_autoregressive": {"1": 1.1},
                  "k_iterations": {"1": {"0": 10, "2": 5}}, "cost_table": table}
   assert report._adaptive_summary(rows[:1], "rejection") == {}  # pylint: disable=protected-access
+
+
+def test_a_segment_is_long_enough_that_its_call_overhead_stays_a_small_fraction():
+  table = adaptive.CostTable()
+  for rows in (1, 8):
+    table.add(0, rows, 64, 1e-4 * rows)
+    table.add(2, rows, 64, 2e-4 * rows)
+  assert table.min_iterations(0, 1, 64, 0.02) == 1  # no overhead measured
+  table.overhead.update({1: 1e-3, 8: 2e-3})
+  # ceil(overhead / (fraction * seconds per iteration)), at the next measured batch size.
+  assert table.min_iterations(0, 1, 64, 0.02) == 500
+  assert table.min_iterations(2, 1, 64, 0.02) == 250
+  assert table.min_iterations(2, 5, 64, 0.02) == 63  # rows 5 -> the 8-row entries
+  assert table.min_iterations(2, 5, 64, 1.0) == 2
+  with pytest.raises(ValueError, match="host_fraction"):
+    adaptive.Settings(k_max=2, host_fraction=0.0)

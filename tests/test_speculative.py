@@ -422,14 +422,17 @@ def test_adaptive_decoding_at_temperature_zero_is_greedy_decoding_whatever_k_and
 
 
 def test_depth_caches_catch_up_after_segments_with_fewer_drafts():
-  """After autoregressive steps (K = 0) and a segment with one draft, a segment with three
-  first brings every depth up to date: all depth-cache entries below the window equal a
-  fresh prefill of the committed sequence (as the fixed-K invariant test above)."""
+  """After a prefill of the main cache only (as adaptive decoding's), autoregressive steps
+  (K = 0) and a segment with one draft, a segment with three first brings every depth up to
+  date: all depth-cache entries below the window, the prompt's included, equal a fresh
+  prefill of the committed sequence (as the fixed-K invariant test above)."""
   tokens, lengths = _prompts(b=4, seed=3)
   k = GRAPHDEF_K
   params = sampling.SamplingParams(1.0)
   ds = speculative.prefill(GRAPHDEF, STATE, tokens, lengths, jax.random.key(2),
-                           max_new_tokens=40, cache_length=64, params=params, stop_tokens=())
+                           max_new_tokens=40, cache_length=64, params=params, stop_tokens=(),
+                           draft_prefill=False)
+  np.testing.assert_array_equal(np.asarray(ds.synced), 0)
   for depth, iterations in ((0, 7), (1, 3), (k, 3)):
     ds = speculative.segment(GRAPHDEF, STATE, ds, jnp.int32(iterations), k=depth,
                              params=params, mode="rejection")
@@ -480,7 +483,7 @@ def test_k_zero_is_the_autoregressive_step_with_no_speculative_ops():
 def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_batch():
   from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
   tokens, lengths = _prompts(b=2, seed=8)
-  settings = adaptive.Settings(k_max=1, segment=2, calibration_iterations=2)
+  settings = adaptive.Settings(k_max=1, segment=2, calibration_iterations=2, host_fraction=1.0)
   run = lambda seed: adaptive.generate(
       GRAPHDEF, STATE, tokens, lengths, jax.random.key(seed), max_new_tokens=24,
       cache_length=64, params=sampling.SamplingParams(1.0), mode="rejection",
@@ -488,9 +491,17 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
   out, st = run(0)
   assert {(e["k"], e["rows"]) for e in st.table.to_json()} == {(0, 1), (0, 2), (1, 1), (1, 2)}
   assert st.calibration_s > 0
-  size = speculative.segment._cache_size()  # pylint: disable=protected-access
-  out2, st2 = run(1)
+  # pylint: disable=protected-access
+  sizes = lambda: (speculative.segment._cache_size(), adaptive._rows._cache_size(),
+                   adaptive._put_rows._cache_size())
+  before = sizes()
+  runs = [run(seed) for seed in (1, 2, 3, 4)]
+  out2, st2 = runs[0]
   assert st2.table is st.table  # cached for the run and shape
-  assert speculative.segment._cache_size() == size  # pylint: disable=protected-access
+  assert set(st.table.overhead) == {1, 2} and st.table.overhead[1] > 0
+  # Nothing compiles in steady state: segments, and the gathers and puts of compaction
+  # (compiled before the first call's first segment).
+  assert sizes() == before
+  assert any(batch == 1 for _, st_ in runs for _, _, batch in st_.segments)  # rows left
   assert sum(st2.k_iterations.values()) == int(out2.target_forwards)
   assert all(0 <= k <= 1 for k in st2.k_iterations)

@@ -13,14 +13,19 @@ drafting, no verification). The rule picks the K of the highest expected tokens 
     to its bucket);
   choose_k(estimate, table, rows, bucket, k_max) -> K.
 
-The decoder (`generate`) prefills once (speculative.prefill) and then runs segments of
-`Settings.segment` iterations (speculative.segment), deciding K before each from the
-estimate and the table. Between segments, rows that finished leave the batch: the state is
-gathered down to the smallest batch bucket (powers of two below the batch) that holds the
-live rows, so a rollout's long tail runs at small batch, where speculation pays most. The
-cost table is measured once per run and shape (`calibrate`: a few timed iterations of each K
-at each batch bucket, on a scratch copy of the prefilled state), or, with calibration off,
-modelled from weight reads (`weight_read_costs`).
+The decoder (`generate`) prefills the main cache once (speculative.prefill; the depth
+caches are computed by the first segment that drafts, so a call that never drafts costs what
+autoregressive decoding does) and then runs segments of iterations (speculative.segment),
+deciding K before each from the estimate and the table. A segment runs at least
+`Settings.segment` iterations, and at least enough that its call's fixed cost (dispatch and
+the host round trip, measured) is a small fraction of it; a segment that keeps the K of the
+one before runs twice as many. Between segments, rows that finished leave the batch: the
+state is gathered down to the smallest batch bucket (the powers of `batch_factor` below the
+batch) that holds the live rows, so a rollout's long tail runs at small batch, where
+speculation pays most; the gathers are compiled before the first segment. The cost table is
+measured once per run and shape (`calibrate`: the slope of segment time in iterations for
+each K at each batch bucket, on a scratch copy of the prefilled state), or, with calibration
+off, modelled from weight reads (`weight_read_costs`).
 
 The choice depends only on the past (acceptance already observed, costs measured before),
 so switching K between iterations leaves the output law unchanged: every iteration is an
@@ -31,7 +36,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
+import math
 import time
 from typing import Callable, Sequence
 
@@ -82,8 +89,10 @@ class AcceptanceEstimate:
 
 @dataclasses.dataclass
 class CostTable:
-  """Seconds per iteration, {(k, rows, bucket): seconds}, measured in-process."""
+  """Seconds per iteration, {(k, rows, bucket): seconds}, measured in-process, and the fixed
+  seconds of one segment call (dispatch and the host round trip), {rows: seconds}."""
   seconds: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
+  overhead: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def add(self, k: int, rows: int, bucket: int, seconds: float) -> None:
     if seconds <= 0:
@@ -96,14 +105,26 @@ class CostTable:
     entries = [(r, b) for (kk, r, b) in self.seconds if kk == k]
     if not entries:
       raise KeyError(f"no cost measured for k={k}")
-    pick = lambda values, want: values[min(bisect.bisect_left(values, want), len(values) - 1)]
-    r = pick(sorted({r for r, _ in entries}), rows)
-    b = pick(sorted({b for rr, b in entries if rr == r}), bucket)
+    r = _at_least(sorted({r for r, _ in entries}), rows)
+    b = _at_least(sorted({b for rr, b in entries if rr == r}), bucket)
     return self.seconds[(k, r, b)]
+
+  def min_iterations(self, k: int, rows: int, bucket: int, host_fraction: float) -> int:
+    """The fewest iterations of k drafts whose time the segment call's overhead is at most
+    `host_fraction` of (1 when no overhead was measured)."""
+    if not self.overhead or not any(kk == k for kk, _, _ in self.seconds):
+      return 1
+    over = self.overhead[_at_least(sorted(self.overhead), rows)]
+    return max(1, math.ceil(over / (host_fraction * self.lookup(k, rows, bucket))))
 
   def to_json(self) -> list[dict]:
     return [{"k": k, "rows": r, "bucket": b, "seconds": s}
             for (k, r, b), s in sorted(self.seconds.items())]
+
+
+def _at_least(values: Sequence[int], want: int) -> int:
+  """The smallest of sorted `values` >= want (the largest when none is)."""
+  return values[min(bisect.bisect_left(values, want), len(values) - 1)]
 
 
 def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: int,
@@ -124,29 +145,34 @@ def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: 
 class Settings:
   """config.decoding.adaptive: k_max drafts at most (<= the drafter's depths), the EMA
   weight `smoothing` of each segment's observed acceptance, `calibrate` (measure the cost
-  table in-process; off: `weight_read_costs`), `segment` iterations between decisions (a
-  segment that keeps the K of the one before runs twice as many, up to `max_segment`, so a
-  settled choice costs few host round trips), `calibration_iterations` timed per (K, rows),
-  and `compact` (gather the live rows down to smaller batches as rows finish: the batch
-  sizes are the batch and the powers of `batch_factor` below it, each a program per K)."""
+  table in-process; off: `weight_read_costs`), `segment` iterations between decisions at
+  least (a segment that keeps the K of the one before runs twice as many, up to
+  `max_segment`, so a settled choice costs few host round trips; and a segment is never so
+  short that its call's measured fixed cost exceeds `host_fraction` of its iterations'),
+  `calibration_iterations` timed per (K, rows), and `compact` (gather the live rows down to
+  smaller batches as rows finish: the batch sizes are the batch and the powers of
+  `batch_factor` below it, each a program per K)."""
   k_max: int
   smoothing: float = 0.2
   calibrate: bool = True
   segment: int = 16
   max_segment: int = 256
-  calibration_iterations: int = 16
+  calibration_iterations: int = 32
   compact: bool = True
   batch_factor: int = 4
+  host_fraction: float = 0.02
 
   def __post_init__(self):
     if self.batch_factor < 2:
       raise ValueError(f"batch_factor={self.batch_factor} is not allowed: must be >= 2")
     if self.k_max < 0:
       raise ValueError(f"k_max={self.k_max} is not allowed: must be >= 0")
-    if not 1 <= self.segment <= self.max_segment or self.calibration_iterations < 1:
+    if not 1 <= self.segment <= self.max_segment or self.calibration_iterations < 2:
       raise ValueError(f"segment={self.segment}, max_segment={self.max_segment} and "
                        f"calibration_iterations={self.calibration_iterations}: need "
-                       "1 <= segment <= max_segment and calibration_iterations >= 1")
+                       "1 <= segment <= max_segment and calibration_iterations >= 2")
+    if not 0 < self.host_fraction <= 1:
+      raise ValueError(f"host_fraction={self.host_fraction} is not allowed: must be in (0, 1]")
 
 
 @dataclasses.dataclass
@@ -162,6 +188,7 @@ class Stats:
   def to_json(self) -> dict:
     return {"k_iterations": {str(k): v for k, v in sorted(self.k_iterations.items())},
             "segments": [list(x) for x in self.segments], "cost_table": self.table.to_json(),
+            "segment_overhead_s": {str(r): v for r, v in sorted(self.table.overhead.items())},
             "acceptance_estimate": self.alphas, "calibration_s": self.calibration_s}
 
 
@@ -185,17 +212,49 @@ def batch_buckets(batch: int, factor: int = 4) -> list[int]:
   return sorted(set(sizes), reverse=True)
 
 
-def _rows(tree, index: jax.Array, batch: int):
-  """Every leaf with a leading batch axis of size `batch`, at rows `index`."""
+def _rows_impl(tree, index: jax.Array, batch: int):
   return jax.tree.map(lambda x: x[index] if getattr(x, "ndim", 0) and x.shape[0] == batch
                       else x, tree)
 
 
-def _put_rows(full, part, index: np.ndarray):
-  """`full` (a whole batch's output) with rows `index` replaced by `part`'s rows; scalars
-  (the call's target_forwards) taken from `part`."""
+# Every leaf with a leading batch axis of size `batch`, at rows `index` (one program per
+# batch and number of rows kept; compiled ahead by `_warm_compaction`).
+_rows = jax.jit(_rows_impl, static_argnames=("batch",))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_rows(full, part, index: jax.Array):
+  """`full` (a whole batch's output, donated) with rows `index` replaced by `part`'s rows;
+  scalars (the call's target_forwards) taken from `part`."""
   return jax.tree.map(lambda f, p: f.at[index].set(p) if getattr(f, "ndim", 0) else p,
                       full, part)
+
+
+_WARM: set[tuple] = set()  # compaction programs compiled, per process and shape
+
+
+def _warm_compaction(s: speculative.DecodeState, buckets: Sequence[int], part) -> None:
+  """Compiles (and runs once on scratch copies) every gather from one batch size of
+  `buckets` to a smaller one and every put of a smaller batch's `part` back into the whole
+  batch's, so rows finishing mid-call never compile anything."""
+  b = s.seq.shape[0]
+  key = (tuple(buckets), part(s) is s, jax.tree.structure(s),
+         tuple((x.shape, x.dtype) for x in jax.tree.leaves(s)))
+  if key in _WARM or len(buckets) < 2:
+    return
+  smaller = {}
+  for big in buckets:
+    source = s if big == b else smaller[big]
+    for small in buckets:
+      if small < big:
+        rows = _rows(source, np.arange(small, dtype=np.int32), batch=big)
+        smaller.setdefault(small, rows)
+  whole = part(s)
+  for small, rows in smaller.items():
+    whole = _put_rows(jax.tree.map(jnp.copy, whole), part(rows),
+                      np.arange(small, dtype=np.int32))
+  jax.block_until_ready(whole)
+  _WARM.add(key)
 
 
 def weight_read_costs(model_config, rows: Sequence[int], bucket: int, k_max: int,
@@ -223,8 +282,12 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
               k_max: int, iterations: int, params, mode, draft_vocab=None) -> CostTable:
   """Seconds per iteration of each K in 0..k_max at each batch size in `rows`, measured on
   copies of the first rows of the prefilled state `s0` with every row live and no stop
-  token (their outputs are discarded). Each program runs once to compile, then is timed
-  (best of two). Cached per process by the shapes and settings."""
+  token (their outputs are discarded), and the fixed seconds of a segment call at each.
+  A K's cost is the slope between segments of `iterations` and a quarter as many (the
+  difference cancels the call's fixed cost, which would otherwise flatter the costlier
+  K); the fixed cost is a call of no iterations and its host round trip. Each program runs
+  once to compile, then the best of two runs counts. Cached per process by the shapes and
+  settings."""
   b = s0.seq.shape[0]
   cache_length = s0.cache.length
   key = (graphdef, tuple(sorted(rows)), k_max, iterations, params, mode, cache_length,
@@ -233,25 +296,35 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
          None if draft_vocab is None else tuple(np.asarray(draft_vocab)))
   if key in _TABLES:
     return _TABLES[key]
-  room = (s0.out.tokens.shape[1] - 1) // (k_max + 1)
-  iterations = max(1, min(iterations, room))
+  room = (s0.out.tokens.shape[1] - 1) // (k_max + 1)  # iterations no row can finish in
+  long = max(2, min(iterations, room))
+  short = max(1, long // 4)
+
+  def seconds(base, k, n):  # the best of two timed runs after one that compiles
+    times = []
+    for _ in range(3):
+      s = jax.tree.map(jnp.copy, base)
+      jax.block_until_ready(s)
+      t0 = time.perf_counter()
+      s = speculative.segment(graphdef, state, s, np.int32(n), k=k, params=params, mode=mode,
+                              draft_vocab=draft_vocab)
+      jax.device_get((s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+      times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
   table = CostTable()
   for r in sorted(rows, reverse=True):
-    base = _rows(s0, jnp.arange(r), b)
+    base = _rows(s0, np.arange(r, dtype=np.int32), batch=b)
     base = base.replace(done=jnp.zeros((r,), bool), stop=jnp.full_like(base.stop, -1),
                         limit=jnp.full((r,), s0.out.tokens.shape[1], jnp.int32))
     for k in range(k_max + 1):
-      times = []
-      for _ in range(3):  # the first run compiles; the best of the other two counts
-        s = jax.tree.map(jnp.copy, base)
-        t0 = time.perf_counter()
-        s = speculative.segment(graphdef, state, s, jnp.int32(iterations), k=k, params=params,
-                                mode=mode, draft_vocab=draft_vocab)
-        jax.block_until_ready(s.out.lengths)
-        times.append(time.perf_counter() - t0)
-      table.add(k, r, cache_length, min(times[1:]) / iterations)
+      t_short, t_long = seconds(base, k, short), seconds(base, k, long)
+      slope = (t_long - t_short) / (long - short)
+      table.add(k, r, cache_length, slope if slope > 0 else t_long / long)  # noise: mean
+    table.overhead[r] = seconds(base, 0, 0)
   _TABLES[key] = table
-  logging.info("adaptive decoding cost table (seconds per iteration): %s", table.to_json())
+  logging.info("adaptive decoding cost table (seconds per iteration): %s; segment call "
+               "overhead by rows: %s", table.to_json(), table.overhead)
   return table
 
 
@@ -296,8 +369,10 @@ def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.Samp
   seed = np.ones(depths) if acceptance is None else np.asarray(acceptance, float)[:depths]
   estimate = AcceptanceEstimate(seed, settings.smoothing, measured=acceptance is not None)
   part = (lambda st: st) if whole_state else (lambda st: st.out)
+  if settings.compact:
+    _warm_compaction(s, buckets, part)
   full = None  # the whole batch, kept from the first time rows leave it
-  index = np.arange(b)  # the original row of each row of the current batch
+  index = np.arange(b, dtype=np.int32)  # the original row of each row of the current batch
   done, attempted, accepted, forwards = jax.device_get(
       (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
   stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
@@ -308,14 +383,17 @@ def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.Samp
     size = min(x for x in buckets if x >= live)
     if size < s.seq.shape[0]:  # rows that finished leave the batch (never donated again)
       full = part(s) if full is None else _put_rows(full, part(s), index)
-      keep = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)[:size - live]])
-      s = _rows(s, jnp.asarray(keep), s.seq.shape[0])
+      keep = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)[:size - live]]
+                            ).astype(np.int32)
+      s = _rows(s, keep, batch=s.seq.shape[0])
       index, attempted, accepted = index[keep], attempted[keep], accepted[keep]
     k = (schedule(segment_i) if schedule is not None else
          choose_k(estimate, table, live, s.cache.length, k_max))
-    iterations = (min(2 * iterations, settings.max_segment) if k == k_before else
-                  settings.segment)
-    s = speculative.segment(graphdef, state, s, jnp.int32(iterations), k=k,
+    floor = max(settings.segment, table.min_iterations(k, live, s.cache.length,
+                                                       settings.host_fraction))
+    iterations = (min(max(2 * iterations, floor), settings.max_segment) if k == k_before
+                  else min(floor, settings.max_segment))
+    s = speculative.segment(graphdef, state, s, np.int32(iterations), k=k,
                             params=params, mode=mode, draft_vocab=draft_vocab)
     done, now_att, now_acc, now_fwd = jax.device_get(
         (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
@@ -341,7 +419,7 @@ def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                           max_new_tokens=max_new_tokens, cache_length=cache_length,
                           params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
                           num_draft_steps=max(settings.k_max, 1),
-                          max_turn_tokens=max_turn_tokens)
+                          max_turn_tokens=max_turn_tokens, draft_prefill=False)
   return decode(graphdef, state, s, params=params, mode=mode, settings=settings,
                 whole_state=True, **kwargs)
 
@@ -370,5 +448,5 @@ def generate(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Arra
   s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
                           max_new_tokens=max_new_tokens, cache_length=cache_length,
                           params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
-                          num_draft_steps=max(settings.k_max, 1))
+                          num_draft_steps=max(settings.k_max, 1), draft_prefill=False)
   return decode(graphdef, state, s, params=params, mode=mode, settings=settings, **kwargs)

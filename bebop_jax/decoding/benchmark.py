@@ -195,6 +195,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
         }
         if stats is not None:
           row.update(k_iterations=stats["k_iterations"], cost_table=stats["cost_table"],
+                     segment_overhead_s=stats["segment_overhead_s"],
                      adaptive_seed=stats["seed"], spec_seconds_own_round=stats["seconds"],
                      ar_seconds_own_round=stats["ar_seconds"])
         if fixed is not None and (mode, label, k) in fixed:
@@ -254,7 +255,9 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
     out[(mode, label, "adaptive")] = (
         round_["adaptive"][0], round_["autoregressive"][0], round_["adaptive"][1],
         {"k_iterations": dict(sorted(k_iterations.items())), "seed": seed,
-         "cost_table": last[0].table.to_json(), "seconds": round_["adaptive"][0],
+         "cost_table": last[0].table.to_json(),
+         "segment_overhead_s": last[0].to_json()["segment_overhead_s"],
+         "seconds": round_["adaptive"][0],
          "ar_seconds": round_["autoregressive"][0]})
   return out
 

@@ -148,13 +148,15 @@ def _emit_sampled(s: DecodeState, logits: jax.Array, key: jax.Array, active: jax
 
 
 def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, cache_length,
-           params, stop_tokens, row_stops, max_turn_tokens) -> DecodeState:
+           params, stop_tokens, row_stops, max_turn_tokens, draft_prefill=True) -> DecodeState:
+  """Prefills the main cache and, with `draft_prefill`, depths 1..k (otherwise `synced` is 0
+  and `_catch_up` fills them when a segment first drafts), and samples the first token."""
   b, p = prompt_tokens.shape
   check_lengths(p, max_new_tokens, cache_length, extra=k + 1)
   buf_len = cache_length + 2 * k + 2  # room for drafts and windows past the cache end
   rows = jnp.arange(b)
   cache = model.init_cache(b, cache_length)
-  logits, h0, cache = model.prefill(cache, prompt_tokens, weights=w)
+  logits, h0, cache = model.prefill(cache, prompt_tokens, mtp=draft_prefill, weights=w)
   zeros = lambda dt, n=max_new_tokens: jnp.zeros((b, n), dt)
   lengths = jnp.zeros((b,), jnp.int32)
   s = DecodeState(
@@ -164,7 +166,8 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
       frontier=prompt_lengths - 1,
       limit=batching.turn_limit(lengths, max_new_tokens, max_turn_tokens),
       stop=batching.stop_table(stop_tokens, row_stops, b), done=jnp.zeros((b,), bool),
-      synced=jnp.tile(jnp.maximum(prompt_lengths - 1 - k, 0)[:, None], (1, k)),
+      synced=jnp.tile(jnp.maximum(prompt_lengths - 1 - k, 0)[:, None] if draft_prefill else
+                      jnp.zeros((b, 1), jnp.int32), (1, k)),
       out=SpeculativeOutput(
           tokens=zeros(jnp.int32), lengths=lengths, policy_mask=zeros(bool),
           logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
@@ -526,7 +529,7 @@ generate = _ModeArgument(jax.jit(_generate, static_argnames=_FIRST_STATIC))
 # them from live acceptance and measured cost, on a batch that shrinks as rows finish.
 
 _PREFILL_STATIC = ("graphdef", "params", "max_new_tokens", "cache_length", "num_draft_steps",
-                   "stop_tokens", "max_turn_tokens")
+                   "stop_tokens", "max_turn_tokens", "draft_prefill")
 
 
 @functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
@@ -534,15 +537,18 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
             prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
             cache_length: int, params: sampling.SamplingParams, stop_tokens: Sequence[int],
             row_stops: jax.Array | None = None, num_draft_steps: int | None = None,
-            max_turn_tokens: int | None = None) -> DecodeState:
-  """Prefills right-padded prompts [B, P] (main cache and every depth) and samples each
-  row's first token; no decoding. The state holds K = num_draft_steps depths."""
+            max_turn_tokens: int | None = None, draft_prefill: bool = True) -> DecodeState:
+  """Prefills right-padded prompts [B, P] and samples each row's first token; no decoding.
+  The state holds K = num_draft_steps depths, prefilled with `draft_prefill`; without it
+  only the main cache is (an autoregressive prefill) and the first segment that drafts
+  computes the depths over the prompt (`_catch_up`), so a call that never drafts never
+  pays for them."""
   model = nnx.merge(graphdef, state)
   k = _num_drafts(model, num_draft_steps)
   return _start(model, model.loop_weights(), prompt_tokens, prompt_lengths, rng, k=k,
                 max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
                 stop_tokens=stop_tokens, row_stops=row_stops,
-                max_turn_tokens=max_turn_tokens)
+                max_turn_tokens=max_turn_tokens, draft_prefill=draft_prefill)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "max_turn_tokens"),
