@@ -286,23 +286,16 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
   A K's cost is the slope between segments of `iterations` and a quarter as many (the
   difference cancels the call's fixed cost, which would otherwise flatter the costlier
   K); the fixed cost is a call of no iterations and its host round trip. Each program runs
-  once to compile, then the best of two runs counts. Cached per process by the shapes and
-  settings."""
+  once to compile, then the best of three runs counts."""
   b = s0.seq.shape[0]
   cache_length = s0.cache.length
-  key = (graphdef, tuple(sorted(rows)), k_max, iterations, params, mode, cache_length,
-         s0.seq.shape, s0.out.tokens.shape, jax.tree.structure(state),
-         tuple(x.shape for x in jax.tree.leaves(state)),
-         None if draft_vocab is None else tuple(np.asarray(draft_vocab)))
-  if key in _TABLES:
-    return _TABLES[key]
   room = (s0.out.tokens.shape[1] - 1) // (k_max + 1)  # iterations no row can finish in
   long = max(2, min(iterations, room))
   short = max(1, long // 4)
 
-  def seconds(base, k, n):  # the best of two timed runs after one that compiles
+  def seconds(base, k, n):  # the best of three timed runs after one that compiles
     times = []
-    for _ in range(3):
+    for _ in range(4):
       s = jax.tree.map(jnp.copy, base)
       jax.block_until_ready(s)
       t0 = time.perf_counter()
@@ -322,26 +315,101 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
       slope = (t_long - t_short) / (long - short)
       table.add(k, r, cache_length, slope if slope > 0 else t_long / long)  # noise: mean
     table.overhead[r] = seconds(base, 0, 0)
-  _TABLES[key] = table
   logging.info("adaptive decoding cost table (seconds per iteration): %s; segment call "
                "overhead by rows: %s", table.to_json(), table.overhead)
   return table
 
 
-def _table(graphdef, state, s: speculative.DecodeState, *, settings: Settings, rows, params,
-           mode, draft_vocab) -> tuple[CostTable, float]:
-  """The cost table of `settings` (calibrated on `s`, or modelled) and the seconds it took."""
+def _table(graphdef, state, make_state: Callable[[], speculative.DecodeState], *,
+           settings: Settings, rows, params, mode, draft_vocab, cache_length: int,
+           batch: int, max_new_tokens: int, depths: int) -> tuple[CostTable, float]:
+  """The cost table of `settings` for these shapes and the seconds it took: cached per
+  process (the key is cheap: the graphdef fixes the parameters' shapes, and only the draft
+  vocabulary's size matters to cost), else calibrated on `make_state()` (a prefilled state
+  of these shapes) or modelled from weight reads."""
+  key = (graphdef, tuple(sorted(rows)), settings.k_max, settings.calibrate,
+         settings.calibration_iterations, params, mode, cache_length, batch, max_new_tokens,
+         depths, None if draft_vocab is None else draft_vocab.shape[0])
+  if key in _TABLES:
+    return _TABLES[key], 0.0
   t0 = time.perf_counter()
   if settings.calibrate:
-    table = calibrate(graphdef, state, s, rows=rows, k_max=settings.k_max,
+    table = calibrate(graphdef, state, make_state(), rows=rows, k_max=settings.k_max,
                       iterations=settings.calibration_iterations, params=params, mode=mode,
                       draft_vocab=draft_vocab)
   else:
     from flax import nnx  # pylint: disable=g-import-not-at-top
-    table = weight_read_costs(nnx.merge(graphdef, state).config, rows, s.cache.length,
+    table = weight_read_costs(nnx.merge(graphdef, state).config, rows, cache_length,
                               settings.k_max,
                               None if draft_vocab is None else draft_vocab.shape[0])
+  _TABLES[key] = table
   return table, time.perf_counter() - t0
+
+
+def _segment_length(k: int, k_before: int | None, before: int, table: CostTable, live: int,
+                    bucket: int, settings: Settings) -> int:
+  """Iterations of the next segment: at least `settings.segment` and enough that the call's
+  fixed cost is at most `host_fraction` of it; twice the one before's when K is kept; at
+  most `max_segment`."""
+  floor = max(settings.segment,
+              table.min_iterations(k, live, bucket, settings.host_fraction))
+  want = max(2 * before, floor) if k == k_before else floor
+  return min(want, settings.max_segment)
+
+
+def _plan(settings: Settings, acceptance, depths: int, table: CostTable | None, schedule):
+  """The acceptance estimate (seeded from `acceptance`, else optimistic ones) and, with K
+  forced by `schedule` and no table given, an empty table (nothing to decide with)."""
+  seed = np.ones(depths) if acceptance is None else np.asarray(acceptance, float)[:depths]
+  estimate = AcceptanceEstimate(seed, settings.smoothing, measured=acceptance is not None)
+  return estimate, (CostTable() if table is None and schedule is not None else table)
+
+
+def _drive(graphdef, state, s: speculative.DecodeState, *, params, mode, settings: Settings,
+           estimate: AcceptanceEstimate, table: CostTable, schedule, whole_state: bool,
+           draft_vocab, buckets: Sequence[int], stats: Stats, first: tuple[int, int] | None
+           ) -> tuple[speculative.DecodeState | speculative.SpeculativeOutput, Stats]:
+  """The segment loop of `decode` and `generate` on `s` (donated). `first` = (K, iterations)
+  when `s` has already run its first segment from a fresh prefill (`first_segment`)."""
+  b = s.seq.shape[0]
+  part = (lambda st: st) if whole_state else (lambda st: st.out)
+  if settings.compact:
+    _warm_compaction(s, buckets, part)
+  full = None  # the whole batch, kept from the first time rows leave it
+  index = np.arange(b, dtype=np.int32)  # the original row of each row of the current batch
+  done, attempted, accepted, forwards = jax.device_get(
+      (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+  segment_i, k_before, iterations = 0, None, 0
+  if first is not None:  # account the first segment against the fresh state's zeros
+    k_before, iterations = first
+    estimate.update(accepted.sum(0), attempted.sum(0))
+    stats.k_iterations[k_before] = int(forwards)
+    stats.segments.append((k_before, b, b))
+    segment_i = 1
+  while not done.all():
+    live = int((~done).sum())
+    size = min(x for x in buckets if x >= live)
+    if size < s.seq.shape[0]:  # rows that finished leave the batch (never donated again)
+      full = part(s) if full is None else _put_rows(full, part(s), index)
+      keep = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)[:size - live]]
+                            ).astype(np.int32)
+      s = _rows(s, keep, batch=s.seq.shape[0])
+      index, attempted, accepted = index[keep], attempted[keep], accepted[keep]
+    k = (schedule(segment_i) if schedule is not None else
+         choose_k(estimate, table, live, s.cache.length, settings.k_max))
+    iterations = _segment_length(k, k_before, iterations, table, live, s.cache.length,
+                                 settings)
+    s = speculative.segment(graphdef, state, s, np.int32(iterations), k=k,
+                            params=params, mode=mode, draft_vocab=draft_vocab)
+    done, now_att, now_acc, now_fwd = jax.device_get(
+        (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+    estimate.update((now_acc - accepted).sum(0), (now_att - attempted).sum(0))
+    stats.k_iterations[k] = stats.k_iterations.get(k, 0) + int(now_fwd - forwards)
+    stats.segments.append((k, live, s.seq.shape[0]))
+    attempted, accepted, forwards = now_att, now_acc, now_fwd
+    segment_i, k_before = segment_i + 1, k
+  stats.alphas = [float(a) for a in estimate.alphas]
+  return (part(s) if full is None else _put_rows(full, part(s), index)), stats
 
 
 def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.SamplingParams,
@@ -356,54 +424,56 @@ def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.Samp
   `schedule`: K of segment i, overriding the rule (tests force switching with it).
   Returns the whole batch's state (`whole_state`, for a later turn) or output, and what
   the call did."""
-  k_max = settings.k_max
   b = s.seq.shape[0]
   buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
+  estimate, table = _plan(settings, acceptance, s.out.attempted.shape[1], table, schedule)
   calibration_s = 0.0
-  if table is None and schedule is not None:
-    table = CostTable()  # K is forced: nothing to decide with
   if table is None:
-    table, calibration_s = _table(graphdef, state, s, settings=settings, rows=buckets,
-                                  params=params, mode=mode, draft_vocab=draft_vocab)
-  depths = s.out.attempted.shape[1]
-  seed = np.ones(depths) if acceptance is None else np.asarray(acceptance, float)[:depths]
-  estimate = AcceptanceEstimate(seed, settings.smoothing, measured=acceptance is not None)
-  part = (lambda st: st) if whole_state else (lambda st: st.out)
-  if settings.compact:
-    _warm_compaction(s, buckets, part)
-  full = None  # the whole batch, kept from the first time rows leave it
-  index = np.arange(b, dtype=np.int32)  # the original row of each row of the current batch
-  done, attempted, accepted, forwards = jax.device_get(
-      (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+    table, calibration_s = _table(
+        graphdef, state, lambda: s, settings=settings, rows=buckets, params=params,
+        mode=mode, draft_vocab=draft_vocab, cache_length=s.cache.length, batch=b,
+        max_new_tokens=s.out.tokens.shape[1], depths=s.out.attempted.shape[1])
   stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
                 calibration_s=calibration_s)
-  segment_i, k_before, iterations = 0, None, settings.segment
-  while not done.all():
-    live = int((~done).sum())
-    size = min(x for x in buckets if x >= live)
-    if size < s.seq.shape[0]:  # rows that finished leave the batch (never donated again)
-      full = part(s) if full is None else _put_rows(full, part(s), index)
-      keep = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)[:size - live]]
-                            ).astype(np.int32)
-      s = _rows(s, keep, batch=s.seq.shape[0])
-      index, attempted, accepted = index[keep], attempted[keep], accepted[keep]
-    k = (schedule(segment_i) if schedule is not None else
-         choose_k(estimate, table, live, s.cache.length, k_max))
-    floor = max(settings.segment, table.min_iterations(k, live, s.cache.length,
-                                                       settings.host_fraction))
-    iterations = (min(max(2 * iterations, floor), settings.max_segment) if k == k_before
-                  else min(floor, settings.max_segment))
-    s = speculative.segment(graphdef, state, s, np.int32(iterations), k=k,
-                            params=params, mode=mode, draft_vocab=draft_vocab)
-    done, now_att, now_acc, now_fwd = jax.device_get(
-        (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
-    estimate.update((now_acc - accepted).sum(0), (now_att - attempted).sum(0))
-    stats.k_iterations[k] = stats.k_iterations.get(k, 0) + int(now_fwd - forwards)
-    stats.segments.append((k, live, s.seq.shape[0]))
-    attempted, accepted, forwards = now_att, now_acc, now_fwd
-    segment_i, k_before = segment_i + 1, k
-  stats.alphas = [float(a) for a in estimate.alphas]
-  return (part(s) if full is None else _put_rows(full, part(s), index)), stats
+  return _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
+                estimate=estimate, table=table, schedule=schedule, whole_state=whole_state,
+                draft_vocab=draft_vocab, buckets=buckets, stats=stats, first=None)
+
+
+def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+           rng: jax.Array, *, max_new_tokens: int, cache_length: int,
+           params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
+           settings: Settings, row_stops: jax.Array | None, max_turn_tokens: int | None,
+           whole_state: bool, acceptance=None, draft_vocab=None, table=None, schedule=None):
+  """Prefill and the first segment in one program (speculative.first_segment), with K
+  chosen for the whole batch before it, then the segment loop."""
+  b = prompt_tokens.shape[0]
+  depths = max(settings.k_max, 1)
+  buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
+  kw = dict(max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
+            stop_tokens=tuple(stop_tokens), row_stops=row_stops, num_draft_steps=depths,
+            max_turn_tokens=max_turn_tokens)
+  estimate, table = _plan(settings, acceptance, depths, table, schedule)
+  calibration_s = 0.0
+  if table is None:
+    table, calibration_s = _table(
+        graphdef, state,
+        lambda: speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                                    draft_prefill=False, **kw),
+        settings=settings, rows=buckets, params=params, mode=mode, draft_vocab=draft_vocab,
+        cache_length=cache_length, batch=b, max_new_tokens=max_new_tokens, depths=depths)
+  k = (schedule(0) if schedule is not None else
+       choose_k(estimate, table, b, cache_length, settings.k_max))
+  iterations = _segment_length(k, None, 0, table, b, cache_length, settings)
+  s = speculative.first_segment(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                                np.int32(iterations), k=k, mode=mode,
+                                draft_vocab=draft_vocab, **kw)
+  stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
+                calibration_s=calibration_s)
+  return _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
+                estimate=estimate, table=table, schedule=schedule, whole_state=whole_state,
+                draft_vocab=draft_vocab, buckets=buckets, stats=stats,
+                first=(k, iterations))
 
 
 def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
@@ -415,13 +485,10 @@ def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   """As speculative.start with an adaptive draft length: prefills and decodes the first
   turn; the state (the whole batch) goes on to `continue_with_reply`. `kwargs`: `decode`'s
   acceptance, draft_vocab, table and schedule."""
-  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
-                          max_new_tokens=max_new_tokens, cache_length=cache_length,
-                          params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
-                          num_draft_steps=max(settings.k_max, 1),
-                          max_turn_tokens=max_turn_tokens, draft_prefill=False)
-  return decode(graphdef, state, s, params=params, mode=mode, settings=settings,
-                whole_state=True, **kwargs)
+  return _begin(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
+                mode=mode, stop_tokens=stop_tokens, settings=settings, row_stops=row_stops,
+                max_turn_tokens=max_turn_tokens, whole_state=True, **kwargs)
 
 
 def continue_with_reply(graphdef, state, decode_state: speculative.DecodeState,
@@ -445,8 +512,7 @@ def generate(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Arra
   """Single-turn speculative decoding with an adaptive draft length: the whole batch's
   output (as speculative.generate) and what the call did. `kwargs`: `decode`'s
   acceptance, draft_vocab, table and schedule."""
-  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
-                          max_new_tokens=max_new_tokens, cache_length=cache_length,
-                          params=params, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
-                          num_draft_steps=max(settings.k_max, 1), draft_prefill=False)
-  return decode(graphdef, state, s, params=params, mode=mode, settings=settings, **kwargs)
+  return _begin(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
+                mode=mode, stop_tokens=stop_tokens, settings=settings, row_stops=row_stops,
+                max_turn_tokens=None, whole_state=False, **kwargs)

@@ -564,6 +564,19 @@ def append_reply(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeS
                  params=params, max_turn_tokens=max_turn_tokens)
 
 
+def _run_segment(model, w, s: DecodeState, iterations, *, k: int, params, mode, draft_vocab,
+                 catch_up_chunk: int) -> DecodeState:
+  """At most `iterations` iterations with k drafts each on `s` (see `segment`)."""
+  k_state = s.out.attempted.shape[1]
+  if not 0 <= k <= k_state:
+    raise ValueError(f"k={k} is not allowed: must be in [0, {k_state}]")
+  if k == 0:
+    return _autoregressive_steps(model, w, s, params=params, iterations=iterations)
+  s = _catch_up(model, w, s, k, catch_up_chunk)
+  return _decode(model, w, s, params=params, mode=mode, draft_vocab=draft_vocab, k=k,
+                 iterations=iterations)
+
+
 def _segment(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
              iterations: jax.Array, *, k: int, params: sampling.SamplingParams, program: str,
              mode_index: jax.Array, draft_vocab: jax.Array | None = None,
@@ -575,17 +588,37 @@ def _segment(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState
   used, so segments with any sequence of k chosen from the past sample the target law.
   Compiled once per (k, B, shapes); donates `decode_state`."""
   model = nnx.merge(graphdef, state)
-  w = model.loop_weights()
-  k_state = decode_state.out.attempted.shape[1]
-  if not 0 <= k <= k_state:
-    raise ValueError(f"k={k} is not allowed: must be in [0, {k_state}]")
-  if k == 0:
-    return _autoregressive_steps(model, w, decode_state, params=params, iterations=iterations)
-  s = _catch_up(model, w, decode_state, k, catch_up_chunk)
-  return _decode(model, w, s, params=params, mode=_program_mode(program, mode_index),
-                 draft_vocab=draft_vocab, k=k, iterations=iterations)
+  return _run_segment(model, model.loop_weights(), decode_state, iterations, k=k,
+                      params=params, mode=_program_mode(program, mode_index),
+                      draft_vocab=draft_vocab, catch_up_chunk=catch_up_chunk)
 
 
 segment = _ModeArgument(jax.jit(
     _segment, static_argnames=("graphdef", "params", "program", "k", "catch_up_chunk"),
     donate_argnames=("decode_state",)))
+
+
+def _first_segment(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+                   prompt_lengths: jax.Array, rng: jax.Array, iterations: jax.Array, *,
+                   k: int, max_new_tokens: int, cache_length: int,
+                   params: sampling.SamplingParams, program: str, mode_index: jax.Array,
+                   stop_tokens: Sequence[int], row_stops: jax.Array | None = None,
+                   num_draft_steps: int | None = None, max_turn_tokens: int | None = None,
+                   draft_vocab: jax.Array | None = None) -> DecodeState:
+  """`prefill` and the first `segment` (k drafts) in one program: an adaptive call whose
+  first choice settles costs one dispatch and one host round trip, as autoregressive
+  decoding does. The depths are prefilled only when k > 0 (else caught up later).
+  Compiled once per (k, B, P) and settings."""
+  model = nnx.merge(graphdef, state)
+  w = model.loop_weights()
+  s = _start(model, w, prompt_tokens, prompt_lengths, rng,
+             k=_num_drafts(model, num_draft_steps), max_new_tokens=max_new_tokens,
+             cache_length=cache_length, params=params, stop_tokens=stop_tokens,
+             row_stops=row_stops, max_turn_tokens=max_turn_tokens, draft_prefill=k > 0)
+  return _run_segment(model, w, s, iterations, k=k, params=params,
+                      mode=_program_mode(program, mode_index), draft_vocab=draft_vocab,
+                      catch_up_chunk=16)
+
+
+first_segment = _ModeArgument(jax.jit(_first_segment,
+                                      static_argnames=_FIRST_STATIC + ("k",)))
