@@ -237,10 +237,12 @@ def _warm_compaction(s: speculative.DecodeState, buckets: Sequence[int], part) -
   """Compiles (and runs once on scratch copies) every gather from one batch size of
   `buckets` to a smaller one and every put of a smaller batch's `part` back into the whole
   batch's, so rows finishing mid-call never compile anything."""
+  if len(buckets) < 2:
+    return
   b = s.seq.shape[0]
   key = (tuple(buckets), part(s) is s, jax.tree.structure(s),
          tuple((x.shape, x.dtype) for x in jax.tree.leaves(s)))
-  if key in _WARM or len(buckets) < 2:
+  if key in _WARM:
     return
   smaller = {}
   for big in buckets:
@@ -275,7 +277,8 @@ def weight_read_costs(model_config, rows: Sequence[int], bucket: int, k_max: int
   return table
 
 
-_TABLES: dict[tuple, CostTable] = {}  # calibrations, per run (process) and shape
+# Calibrations, per run (process) and shape: {id(graphdef): (graphdef, {key: table})}.
+_TABLES: dict[int, tuple[object, dict[tuple, CostTable]]] = {}
 
 
 def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[int],
@@ -327,11 +330,16 @@ def _table(graphdef, state, make_state: Callable[[], speculative.DecodeState], *
   process (the key is cheap: the graphdef fixes the parameters' shapes, and only the draft
   vocabulary's size matters to cost), else calibrated on `make_state()` (a prefilled state
   of these shapes) or modelled from weight reads."""
-  key = (graphdef, tuple(sorted(rows)), settings.k_max, settings.calibrate,
+  # Keyed by the graphdef's identity first: hashing a graphdef walks the whole module tree.
+  owner, tables = _TABLES.get(id(graphdef), (None, None))
+  if owner is not graphdef:
+    tables = {}
+    _TABLES[id(graphdef)] = (graphdef, tables)
+  key = (tuple(sorted(rows)), settings.k_max, settings.calibrate,
          settings.calibration_iterations, params, mode, cache_length, batch, max_new_tokens,
          depths, None if draft_vocab is None else draft_vocab.shape[0])
-  if key in _TABLES:
-    return _TABLES[key], 0.0
+  if key in tables:
+    return tables[key], 0.0
   t0 = time.perf_counter()
   if settings.calibrate:
     table = calibrate(graphdef, state, make_state(), rows=rows, k_max=settings.k_max,
@@ -342,7 +350,7 @@ def _table(graphdef, state, make_state: Callable[[], speculative.DecodeState], *
     table = weight_read_costs(nnx.merge(graphdef, state).config, rows, cache_length,
                               settings.k_max,
                               None if draft_vocab is None else draft_vocab.shape[0])
-  _TABLES[key] = table
+  tables[key] = table
   return table, time.perf_counter() - t0
 
 

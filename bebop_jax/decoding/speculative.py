@@ -166,8 +166,10 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, k, max_new_tokens, c
       frontier=prompt_lengths - 1,
       limit=batching.turn_limit(lengths, max_new_tokens, max_turn_tokens),
       stop=batching.stop_table(stop_tokens, row_stops, b), done=jnp.zeros((b,), bool),
-      synced=jnp.tile(jnp.maximum(prompt_lengths - 1 - k, 0)[:, None] if draft_prefill else
-                      jnp.zeros((b, 1), jnp.int32), (1, k)),
+      # Depth d is exact below n + 1 - d after a prefill (its token x_{j+d} is in the
+      # prompt), below 0 without one.
+      synced=(jnp.maximum(prompt_lengths[:, None] - jnp.arange(1, k + 1)[None, :], 0)
+              if draft_prefill else jnp.zeros((b, k), jnp.int32)),
       out=SpeculativeOutput(
           tokens=zeros(jnp.int32), lengths=lengths, policy_mask=zeros(bool),
           logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
