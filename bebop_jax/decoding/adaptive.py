@@ -286,15 +286,14 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
   """Seconds per iteration of each K in 0..k_max at each batch size in `rows`, measured on
   copies of the first rows of the prefilled state `s0` with every row live and no stop
   token (their outputs are discarded), and the fixed seconds of a segment call at each.
-  A K's cost is the slope between segments of `iterations` and a quarter as many (the
-  difference cancels the call's fixed cost, which would otherwise flatter the costlier
-  K); the fixed cost is a call of no iterations and its host round trip. Each program runs
+  A K's cost is the slope between a segment of about `iterations` * (k_max + 1) / (K + 1)
+  iterations (as many as no row can finish in: every K's segment emits about as many
+  tokens) and one a quarter as long; the difference cancels the call's fixed cost, which
+  would otherwise flatter the costlier K. The fixed cost is a call of no iterations and its
+  host round trip. Each program runs
   once to compile, then the best of three runs counts."""
   b = s0.seq.shape[0]
   cache_length = s0.cache.length
-  room = (s0.out.tokens.shape[1] - 1) // (k_max + 1)  # iterations no row can finish in
-  long = max(2, min(iterations, room))
-  short = max(1, long // 4)
 
   def seconds(base, k, n):  # the best of three timed runs after one that compiles
     times = []
@@ -314,6 +313,11 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
     base = base.replace(done=jnp.zeros((r,), bool), stop=jnp.full_like(base.stop, -1),
                         limit=jnp.full((r,), s0.out.tokens.shape[1], jnp.int32))
     for k in range(k_max + 1):
+      # As many iterations as no row can finish in (up to `iterations` per unit of
+      # K + 1, so every K's segment runs about as long), and a quarter as many.
+      room = (s0.out.tokens.shape[1] - 1) // (k + 1)
+      long = max(2, min(iterations * (k_max + 1) // (k + 1), room))
+      short = max(1, long // 4)
       t_short, t_long = seconds(base, k, short), seconds(base, k, long)
       slope = (t_long - t_short) / (long - short)
       table.add(k, r, cache_length, slope if slope > 0 else t_long / long)  # noise: mean
