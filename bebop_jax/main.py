@@ -9,12 +9,18 @@ override of a key that does not exist is an error, and `bebop_jax.config.validat
 values before any work starts. The terminal shows the stages' lines, progress bars and
 warnings; library INFO logs go to <workdir>/log.txt (`--verbosity=0` keeps them on the
 terminal too).
+
+A bad config, mesh, placement or checkpoint stops the run with one short message saying
+what is wrong and, where the config file's docstring gives one, how to run it (e.g. the
+XLA_FLAGS line that simulates its devices); `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import ast
 import logging as std_logging
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -41,6 +47,53 @@ _DISTRIBUTED = flags.DEFINE_enum(
     "Call jax.distributed.initialize() before anything else: on every host of a multi-host "
     "run (TPU pod slice, or a coordinator given by JAX_COORDINATOR_ADDRESS). auto: when the "
     "environment names several TPU hosts or a coordinator.")
+_DEBUG = flags.DEFINE_bool(
+    "debug", False, "Show the traceback of a configuration, placement or checkpoint error "
+    "instead of its one-line message.")
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+  """The errors that mean the run was set up wrong (config, mesh, placement, checkpoint,
+  model files), not that the code failed: the CLI reports them without a traceback."""
+  # pylint: disable=g-import-not-at-top
+  from bebop_jax.data.chat import ChatTemplateError
+  from bebop_jax.model.gguf import GGUFError
+  from bebop_jax.model.hf import CheckpointError
+  from bebop_jax.rl.aot import AotError
+  from bebop_jax.rl.placement import PlacementError
+  from bebop_jax.train.checkpoint import CheckpointMismatchError
+  return (config_lib.ConfigError, sharding.MeshError, PlacementError, AotError,
+          CheckpointMismatchError, CheckpointError, GGUFError, ChatTemplateError)
+
+
+def run_hints(config_path: str) -> list[str]:
+  """The lines of the config file's docstring that show how to run it with an environment
+  (`XLA_FLAGS=...`, the line after a trailing backslash included); empty if none."""
+  path = config_path.partition(":")[0]
+  try:
+    with open(path) as f:
+      doc = ast.get_docstring(ast.parse(f.read())) or ""
+  except (OSError, SyntaxError):
+    return []
+  lines, hints = doc.splitlines(), []
+  for i, line in enumerate(lines):
+    if "XLA_FLAGS=" in line:
+      command = line
+      while command.rstrip().endswith("\\") and i + 1 < len(lines):  # a raw docstring's
+        i += 1                                                        # continued line
+        command = command.rstrip()[:-1] + " " + lines[i]
+      hints.append(" ".join(command.split()))
+  return hints
+
+
+def report_user_error(error: Exception, config_path: str | None) -> str:
+  """The message the CLI prints for a setup error: what is wrong, and how to run the config
+  where its docstring says."""
+  text = f"error: {error}"
+  hints = run_hints(config_path) if config_path else []
+  if hints:
+    text += "\nThis config's docstring runs it as:\n  " + "\n  ".join(hints)
+  return text + "\n(--debug shows the traceback)"
 
 
 def default_workdir(config_path: str) -> str:
@@ -50,9 +103,56 @@ def default_workdir(config_path: str) -> str:
   return os.path.join("runs", stem + (f"_{arg}" if arg else ""))
 
 
+def override_error(argv: list[str], error: Exception) -> str:
+  """The message for a `--config.<path>=<value>` that names no key of the config (or whose
+  value does not parse): which override, which part of its path is missing, and the keys
+  that exist there."""
+  config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  overrides = [a for a in argv if a.startswith("--config.")]
+  try:
+    path, _, arg = (config_arg or "").partition(":")
+    config = config_lib.load_file(path, arg or None)
+  except Exception:  # pylint: disable=broad-except  # fall back to the raw error
+    config = None
+  for override in overrides:
+    keys = override[len("--config."):].split("=", 1)[0].split(".")
+    node, where = config, "config"
+    for key in keys:
+      if node is None or not hasattr(node, "keys"):
+        break
+      if key not in node:
+        allowed = ", ".join(sorted(node.keys()))
+        return (f"error: {override}: {where} has no key {key!r}; its keys: {allowed}")
+      node, where = node[key], f"{where}.{key}"
+  return f"error: a --config override could not be applied ({type(error).__name__}: {error})"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a one-line message instead of a traceback for a
+  `--config.*` override that does not apply (unless --debug)."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as e:
+    if "--debug" in argv:
+      raise
+    text = f"error: {e}" if isinstance(e, flags.Error) else override_error(argv, e)
+    print(text + "\n(--debug shows the traceback)", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    _main()
+  except user_errors() as e:  # pylint: disable=catching-non-exception
+    if _DEBUG.value:
+      raise
+    print(report_user_error(e, flags.FLAGS["config"].config_filename), file=sys.stderr)
+    sys.exit(2)
+
+
+def _main():
   to_terminal = flags.FLAGS["verbosity"].present
   if not to_terminal:  # before JAX starts its backends (they log at INFO)
     logging.get_absl_handler().setLevel(std_logging.WARNING)
@@ -72,4 +172,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -109,11 +109,37 @@ def test_cli_rejects_unknown_override_and_bad_value(tmp_path):
   cfg = os.path.join(REPO, "configs", "data_tiny.py")
   out = _main(f"--config={cfg}", "--config.data.bach_size=3", f"--workdir={tmp_path}",
               cwd=REPO)
-  assert out.returncode != 0 and "bach_size" in out.stderr
+  # One short message naming the override, the missing key and the keys there are.
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert ("error: --config.data.bach_size=3: config.data has no key 'bach_size'; its keys: "
+          in out.stderr) and "batch_size" in out.stderr
   out = _main(f"--config={cfg}", "--config.data.batch_size=-2", f"--workdir={tmp_path}",
               cwd=REPO)
-  assert out.returncode != 0
+  assert out.returncode == 2 and "Traceback" not in out.stderr
   assert "config.data.batch_size=-2 is not allowed: must be a positive int" in out.stderr
+
+
+def test_a_placement_error_names_the_devices_and_how_to_simulate_them(tmp_path,
+                                                                      one_device_env):
+  cfg = os.path.join(REPO, "configs", "rl_async_tiny.py")
+  out = subprocess.run([sys.executable, "-m", "bebop_jax.main", f"--config={cfg}",
+                        f"--workdir={tmp_path}"], cwd=REPO, env=dict(one_device_env),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert "2 learner + 2 rollout devices but 1 devices are available" in out.stderr
+  assert ("XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m bebop_jax.main "
+          "--config=configs/rl_async_tiny.py") in out.stderr
+  assert "--debug shows the traceback" in out.stderr
+
+
+def test_run_hints_read_the_config_docstring(tmp_path):
+  from bebop_jax import main as main_lib  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "c.py"
+  path.write_text('r"""Doc.\n\n  XLA_FLAGS=--x=2 \\\n      python -m bebop_jax.main --config=c.py\n"""\n')
+  assert main_lib.run_hints(f"{path}:arg") == [
+      "XLA_FLAGS=--x=2 python -m bebop_jax.main --config=c.py"]
+  assert main_lib.run_hints(os.path.join(REPO, "configs", "quickstart.py")) == []
+  assert main_lib.run_hints(str(tmp_path / "missing.py")) == []
 
 
 def test_cli_runs_the_data_stage(tmp_path):
