@@ -237,6 +237,48 @@ def headline(s: dict) -> str:
   return "\n".join(lines)
 
 
+def run_summary(workdir: str, s: dict | None, timing: dict[str, Any]) -> str:
+  """The table a main-job run ends with (at most about 12 lines): held-out pass@1 before and
+  after RL, the drafter's acceptance per depth and tokens per target forward, the
+  speculative/autoregressive speed ratios, seconds per stage and where the report and
+  summary are. Sections whose stage did not run are left out."""
+  rows = []
+  s = s or {}
+  rl = s.get("rl") or {}
+  if rl.get("pass_at_1_before"):
+    before, after = rl["pass_at_1_before"], rl.get("pass_at_1_after") or {}
+    delta = rl.get("pass_at_1_delta") or {}
+    for task in sorted(before):
+      d = delta.get(task, {})
+      change = (f" ({d['delta']:+.3f} ± {d['se']:.3f} paired)" if "delta" in d else "")
+      rows.append((f"pass@1 {task}", f"{before[task]:.3f} before RL -> "
+                   f"{after.get(task, float('nan')):.3f} after{change}"))
+  elif (s.get("eval") or {}).get("accuracy"):
+    rows.append(("pass@1", ", ".join(f"{k} {v:.3f}"
+                                     for k, v in s["eval"]["accuracy"].items())))
+  acc = (s.get("mtp") or {}).get("acceptance_teacher_forced")
+  if acc:
+    rows.append(("drafter acceptance", " / ".join(f"{a:.2f}" for a in acc)
+                 + " per depth (teacher-forced)"))
+  decode = s.get("decode") or {}
+  if decode.get("tokens_per_target_forward"):
+    rows.append(("tokens / target forward", ", ".join(
+        f"{m} {v:.2f}" for m, v in decode["tokens_per_target_forward"].items())))
+  if decode.get("speedup_vs_autoregressive"):
+    rows.append(("speculative / AR", ", ".join(
+        f"batch {b} {v:.2f}x" for b, v in decode["speedup_vs_autoregressive"].items())))
+  stage_s = [(n, timing[f"{n}_s"]) for n in ("sft", "mtp", "rl", "eval")
+             if f"{n}_s" in timing]
+  if stage_s:
+    rows.append(("time", ", ".join(f"{n} {t / 60:.1f} min" for n, t in stage_s)
+                 + f" (total {sum(t for _, t in stage_s) / 60:.1f} min)"))
+  for name in ("report.md", "summary.json"):
+    if os.path.exists(os.path.join(workdir, name)):
+      rows.append((name.split(".")[0], os.path.join(workdir, name)))
+  width = max((len(k) for k, _ in rows), default=0)
+  return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")

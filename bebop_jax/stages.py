@@ -127,3 +127,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
         timing[f"{name}_s"] = time.perf_counter() - start
         timing["compile"][name] = metrics_lib.compile_stats(since=compiles)
         report.write_timing(workdir, timing)  # the eval stage reports the earlier stages
+  if any(n in config.stages for n in ("sft", "mtp", "rl", "eval")):
+    summary = report.read_summary(workdir)
+    # A rerun that skipped finished stages keeps the times of the run that did them.
+    times = (summary or {}).get("timing") or timing
+    print(f"\n== {os.path.abspath(workdir)} ==\n{report.run_summary(workdir, summary, times)}")

@@ -101,6 +101,9 @@ def test_rerun_reuses_everything(job, capsys):
   out = capsys.readouterr().out
   assert "[sft] complete" in out and "[mtp] complete" in out and "[eval] complete" in out
   assert "[rl] complete" in out
+  # It ends with the run's summary table, the first run's stage times kept.
+  table = out[out.index(f"== {os.path.abspath(workdir)} =="):]
+  assert "before RL ->" in table and "summary.json" in table and "time " in table
   assert time.perf_counter() - start < 30
   data_files = os.listdir(os.path.join(workdir, "mtp_data"))
   assert len([f for f in data_files if f.endswith(".npz")]) == 2  # train and held-out
@@ -197,3 +200,28 @@ def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
   config.rl.rollout.draft_vocab = config.model.vocab_size + 1
   with pytest.raises(ValueError, match="rl.rollout.draft_vocab"):
     config_lib.validate(config)
+
+
+def test_the_run_ends_with_a_short_summary_table(tmp_path):
+  from bebop_jax import report  # pylint: disable=g-import-not-at-top
+  (tmp_path / "report.md").write_text("r")
+  s = {"rl": {"pass_at_1_before": {"math": 0.5, "code": 0.25},
+              "pass_at_1_after": {"math": 0.625, "code": 0.375},
+              "pass_at_1_delta": {"math": {"delta": 0.125, "se": 0.03125},
+                                  "code": {"delta": 0.125, "se": 0.0625}}},
+       "mtp": {"acceptance_teacher_forced": [0.9, 0.8, 0.7]},
+       "decode": {"tokens_per_target_forward": {"rejection": 3.25},
+                  "speedup_vs_autoregressive": {"1": 1.25, "8": 0.75}}}
+  text = report.run_summary(str(tmp_path), s, {"sft_s": 60.0, "rl_s": 120.0})
+  lines = text.splitlines()
+  assert len(lines) <= 12
+  assert "pass@1 code  " in lines[0] and "0.250 before RL -> 0.375 after (+0.125 ± 0.062" \
+      in lines[0]
+  assert "0.90 / 0.80 / 0.70 per depth" in text and "rejection 3.25" in text
+  assert "batch 1 1.25x, batch 8 0.75x" in text
+  assert "sft 1.0 min, rl 2.0 min (total 3.0 min)" in text
+  assert f"report                   {tmp_path / 'report.md'}" in text
+  assert "summary.json" not in text  # not written: not listed
+  # Only what ran is shown.
+  assert report.run_summary(str(tmp_path), None, {"sft_s": 30.0}).splitlines()[0].startswith(
+      "time")
