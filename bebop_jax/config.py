@@ -114,6 +114,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.mtp = ml_collections.ConfigDict()
   c.mtp.loss = "e2e_tv"            # bebop_jax.losses.mtp.LOSSES
   c.mtp.depth_weights = ()         # K weights of the per-depth terms; () = uniform
+  c.mtp.head = "fused"             # bebop_jax.losses.mtp.HEADS: fused never makes [K, B, T, V]
+                                   # logits (pallas_kernels.fused_head); dense: the TV kernel
   c.mtp.tv_implementation = "auto"  # or one of pallas_kernels.tv_loss.IMPLEMENTATIONS
   c.mtp.tv_interpret = False       # run the Pallas TV kernels in interpret mode (on CPU)
   c.mtp.temperature = 1.0          # rollouts are sampled, and distributions compared, at this
@@ -486,6 +488,8 @@ def _validate_mtp(config: ml_collections.ConfigDict) -> None:
     _fail("mtp.depth_weights", m.depth_weights,
           f"() or {k} numbers >= 0 (one per depth, model.num_draft_steps={k}) with a "
           "positive sum")
+  if m.head not in mtp_losses.HEADS:
+    _fail("mtp.head", m.head, f"one of {mtp_losses.HEADS}")
   if m.tv_implementation not in ("auto",) + tuple(tv_loss.IMPLEMENTATIONS):
     _fail("mtp.tv_implementation", m.tv_implementation,
           f"one of {('auto',) + tuple(tv_loss.IMPLEMENTATIONS)}")

@@ -1,6 +1,7 @@
 """MTP objectives against independent numpy computations; gradients reach only MTP params."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -128,3 +129,42 @@ def test_bad_arguments_are_clear_errors():
     mtp_losses.mtp_loss(out, tokens, loss_mask, loss="mse")
   with pytest.raises(ValueError, match="K=3 depths"):
     mtp_losses.mtp_loss(out, tokens, loss_mask, loss="tv", depth_weights=[1.0, 1.0])
+
+
+def test_the_fused_head_gives_the_dense_heads_values_and_gradients():
+  """Every loss and metric, and the gradient of every parameter (the chain not detached, so
+  the shared head's gradient goes through the fused backward too), through a real policy's
+  forward: the fused head (final-normed hidden states streamed over vocabulary chunks, no
+  [K, B, T, V] logits) against the dense one, at temperature 0.7, with padding."""
+  config = dataclasses.replace(model_config.preset("tiny"), mtp_stop_gradient=False)
+  graphdef, state = policy_lib.init(config, seed=0)
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(3, config.vocab_size, (2, 16)), jnp.int32)
+  segment_ids = jnp.asarray(np.r_[np.ones(16), np.ones(12), np.zeros(4)].reshape(2, 16),
+                            jnp.int32)
+  loss_mask = jnp.asarray(rng.integers(0, 2, (2, 16)), jnp.int32).at[:, 4:].set(1)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(head, state):  # every loss's value, metrics and gradient: one program per head
+    def f(state, loss):
+      out = nnx.merge(graphdef, state)(tokens, segment_ids=segment_ids,
+                                       logits=head == "dense")
+      return mtp_losses.mtp_loss(out, tokens, loss_mask, loss=loss, temperature=0.7)
+    return {loss: jax.value_and_grad(f, has_aux=True)(state, loss)
+            for loss in mtp_losses.LOSSES}
+
+  fused, dense = run("fused", state), run("dense", state)
+  for loss in mtp_losses.LOSSES:
+    (v_f, m_f), g_f = fused[loss]
+    (v_d, m_d), g_d = dense[loss]
+    np.testing.assert_allclose(float(v_f), float(v_d), rtol=1e-5, err_msg=loss)
+    for name in m_d:
+      np.testing.assert_allclose(float(m_f[name]), float(m_d[name]), rtol=1e-5, atol=1e-7,
+                                 err_msg=f"{loss} {name}")
+    flat_f = dict(jax.tree_util.tree_leaves_with_path(g_f))
+    for path, g in jax.tree_util.tree_leaves_with_path(g_d):
+      np.testing.assert_allclose(np.asarray(flat_f[path]), np.asarray(g), rtol=1e-4,
+                                 atol=1e-6, err_msg=f"{loss} {jax.tree_util.keystr(path)}")
+    # The shared embedding (the tied head) learns from the chain here.
+    assert max(float(jnp.abs(g).max()) for p, g in flat_f.items()
+               if "embed" in jax.tree_util.keystr(p)) > 0, loss

@@ -208,12 +208,16 @@ def _mtp_batch(vocab: int, b: int = 8, t: int = 16) -> dict[str, np.ndarray]:
           "loss_mask": loss_mask}
 
 
-@pytest.mark.parametrize("implementation", ["xla_blockwise", "pallas_tpu"])
-def test_mtp_e2e_tv_step_under_rows_x_tensor_mesh_matches_unsharded(implementation,
+@pytest.mark.parametrize("head,implementation", [("dense", "xla_blockwise"),
+                                                 ("dense", "pallas_tpu"),
+                                                 ("fused", "xla_blockwise")])
+def test_mtp_e2e_tv_step_under_rows_x_tensor_mesh_matches_unsharded(head, implementation,
                                                                     monkeypatch):
+  from pallas_kernels.fused_head import sharded as fused_sharded  # pylint: disable=g-import-not-at-top
   cfg = model_config.preset("tiny", **MTP_MODEL)
   config = config_lib.base_config()
   config.mtp.loss = "e2e_tv"
+  config.mtp.head = head
   config.mtp.tv_implementation = implementation
   config.mtp.tv_interpret = implementation.startswith("pallas")
   loss_fn = mtp_lib.make_loss_fn(config)
@@ -229,10 +233,10 @@ def test_mtp_e2e_tv_step_under_rows_x_tensor_mesh_matches_unsharded(implementati
   ref_loss, ref_metrics, ref_grads = jax.device_get(jax.jit(value_and_grad)(state, batch))
 
   specs = []
-  real = sharded_lib.tv_distance
-  monkeypatch.setattr(sharded_lib, "tv_distance",
-                      lambda name, d, t, **kw: specs.append((name, kw["spec"])) or real(
-                          name, d, t, **kw))
+  for module, name in ((sharded_lib, "tv_distance"), (fused_sharded, "fused_head")):
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda impl, *a, real=real, name=name, **kw: specs.append(
+        (name, impl, kw["spec"])) or real(impl, *a, **kw))
   mesh = sharding.make_mesh(*MESH)
   rules = sharding.DEFAULT_RULES
   state_sh = sharding.state_shardings(state, mesh, rules)
@@ -240,7 +244,8 @@ def test_mtp_e2e_tv_step_under_rows_x_tensor_mesh_matches_unsharded(implementati
   with sharding.use_mesh(mesh, rules):
     loss, metrics, grads = jax.device_get(jax.jit(value_and_grad)(
         jax.device_put(state, state_sh), jax.device_put(batch, batch_sh)))
-  assert specs == [(implementation, P(None, "data", None, "tensor"))]
+  kernel = "tv_distance" if head == "dense" else "fused_head"
+  assert specs == [(kernel, implementation, P(None, "data", None, "tensor"))]
 
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
   for k in ("alpha_1", "alpha_2", "expected_accepted_length"):
@@ -281,8 +286,14 @@ def _tv_temp_bytes(implementation: str | None, shape, mesh, spec) -> int:
 
 @pytest.mark.parametrize("size", ["1p7b", "8b"])
 def test_pod_preset_mtp_e2e_tv_step_compiles_ahead_of_time(size, capfd):
+  """The pod preset's MTP e2e-TV step with the fused head (the default, mtp.head="fused"):
+  no [K, B, T, V] logits, the head streamed over vocabulary chunks split over tensor; its
+  temp memory per device from the compile's memory analysis (issue goal: at most 16 GiB at
+  8B). The dense path's TV kernel is measured alone against dense TV below."""
+  from pallas_kernels.fused_head import sharded as fused_sharded  # pylint: disable=g-import-not-at-top
   config = config_lib.load_file(POD_CONFIG, size)
   assert config.mtp.loss == "e2e_tv" and "mtp" in config.stages
+  assert config.mtp.head == "fused"
   cfg = model_config.ModelConfig.from_dict(config.model.to_dict())
   assert cfg.num_mtp_modules == 1
   mesh = sharding.make_mesh(*POD_MESH)
@@ -296,30 +307,34 @@ def test_pod_preset_mtp_e2e_tv_step_compiles_ahead_of_time(size, capfd):
   batch = {k: np.zeros((rows, POD_SEQ), np.int32)
            for k in ("tokens", "positions", "segment_ids", "loss_mask")}
   specs = []
-  real = sharded_lib.tv_distance
-  sharded_lib.tv_distance, restore = (lambda name, d, t, **kw: specs.append(kw["spec"]) or
-                                      real(name, d, t, **kw)), real
+  real = fused_sharded.fused_head
+  fused_sharded.fused_head = lambda name, *a, **kw: specs.append(kw["spec"]) or real(
+      name, *a, **kw)
   try:
     step = trainer.make_train_step(graphdef, mtp_lib.make_loss_fn(config), tx, schedule)
     compiled = trainer.compile_train_step(step, state, batch, mesh, rules, tx)
   finally:
-    sharded_lib.tv_distance = restore
+    fused_sharded.fused_head = real
   assert specs == [P(None, "fsdp", None, "tensor")]
   stats = compiled.fn.memory_analysis()
   assert stats is not None and stats.temp_size_in_bytes > 0
-  # No buffer holds a whole vocabulary row: logits, TV and gradients stay split over tensor.
+  # No buffer holds a whole vocabulary row: chunks of the head stay split over tensor.
   text = compiled.fn.as_text()
   assert not re.findall(rf"[a-z0-9]+\[(?:[0-9]+,)*{cfg.vocab_size}(?:,[0-9]+)*\]", text)
+  temp_gib = stats.temp_size_in_bytes / 2**30
+  # The dense head needed 62.88 GiB (1.7B) and 70.36 GiB (8B) here; the fused head at its
+  # default chunk 16.81 and 24.24 GiB (docs/mtp.md). The 16 GiB goal at 8B is not met yet:
+  # this guards the gain.
+  assert temp_gib <= {"1p7b": 18, "8b": 26}[size], temp_gib
 
-  # The TV kernel alone, at this step's logits: per device against the dense path.
+  # The dense path's TV kernel alone, at this step's logits: per device against dense TV.
   logits = (cfg.num_draft_steps, rows, POD_SEQ, cfg.vocab_size)
   spec = sharding.logical_to_spec(mtp_losses.LOGITS_AXES, rules, mesh, logits)
   kernel = _tv_temp_bytes("xla_blockwise", logits, mesh, spec)
   dense = _tv_temp_bytes(None, logits, mesh, spec)
   assert kernel <= 0.1 * dense, (kernel, dense)
   with capfd.disabled():
-    print(f"\nqwen3_{size} MTP e2e_tv step on {POD_MESH}: temp "
-          f"{stats.temp_size_in_bytes / 2**30:.2f} GiB per device (compiled in "
-          f"{compiled.compile_seconds:.1f}s); TV value+grad of [K, B, T, V] = {logits} f32: "
-          f"xla_blockwise {kernel / 2**20:.0f} MiB, dense {dense / 2**20:.0f} MiB per device "
-          f"({kernel / dense:.3f}x)")
+    print(f"\nqwen3_{size} MTP e2e_tv step (fused head) on {POD_MESH}: temp "
+          f"{temp_gib:.2f} GiB per device (compiled in {compiled.compile_seconds:.1f}s); TV "
+          f"value+grad of [K, B, T, V] = {logits} f32: xla_blockwise {kernel / 2**20:.0f} "
+          f"MiB, dense {dense / 2**20:.0f} MiB per device ({kernel / dense:.3f}x)")

@@ -30,9 +30,11 @@ import jax.numpy as jnp
 from bebop_jax import sharding
 from bebop_jax.losses.lm import shift_left_axis1, token_cross_entropy
 from bebop_jax.model.model import shift_left
+from pallas_kernels.fused_head import fused_head
 from pallas_kernels.tv_loss import tv_distance
 
 LOSSES = ("ce", "kl", "tv", "e2e_tv")
+HEADS = ("fused", "dense")  # how the losses reach the vocabulary (`mtp_loss`)
 LOGITS_AXES = (None, "batch", "length", "vocab")  # the chain's [K, B, T, V] logits
 
 
@@ -64,6 +66,46 @@ def expected_accepted_length(alphas: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod(alphas, axis=0), axis=0)
 
 
+def _shift_right_axis1(x: jax.Array, k: int) -> jax.Array:
+  """x[:, i - k] at i along axis 1 (zeros before the start), for arrays [B, T, ...]."""
+  pad = jnp.zeros((x.shape[0], k) + x.shape[2:], x.dtype)
+  return jnp.concatenate([pad, x[:, :x.shape[1] - k]], axis=1)
+
+
+def _dense_terms(out, tokens, k_steps, temperature, implementation, interpret):
+  """(tv, ce, kl) [K, B, T] from the chain's [K, B, T, V] logits."""
+  draft = out["mtp_logits"] / temperature                             # [K, B, T, V]
+  p_logits = jax.lax.stop_gradient(out["logits"]) / temperature      # p_i
+  target = jnp.stack([shift_left_axis1(p_logits, k + 1) for k in range(k_steps)])
+  # Invalid positions (padding, chain past a segment end) still go through the kernel but
+  # are masked; their target is zeros there (finite), so values and gradients are finite.
+  mesh, spec = sharding.current_spec(LOGITS_AXES, draft.shape)
+  tv = tv_distance(draft, target, implementation=implementation, interpret=interpret,
+                   mesh=mesh, spec=spec)                              # [K, B, T]
+  ce = jnp.stack([token_cross_entropy(draft[k], shift_left(tokens, k + 2))
+                  for k in range(k_steps)])
+  return tv, ce, kl_divergence(target, draft)
+
+
+def _fused_terms(out, tokens, k_steps, temperature, implementation, interpret):
+  """(tv, ce, kl) [K, B, T] streamed over the vocabulary from the final-normed hidden states
+  and the head (pallas_kernels.fused_head): no [K, B, T, V] array exists. Depth k + 1 at i
+  is compared with p_{i+k+1}: its hidden states are shifted right by k + 1 positions, so
+  every depth meets its target at the target's own row (whose logits each vocabulary chunk
+  then computes once for all depths) and its token x_{i+k+2} is that row's next token."""
+  head = out["mtp_head"]
+  draft = jnp.stack([_shift_right_axis1(out["mtp_normed"][k], k + 1)
+                     for k in range(k_steps)]) / temperature          # [K, B, T, E]
+  target = jax.lax.stop_gradient(out["normed"]) / temperature         # [B, T, E]
+  next_tokens = jnp.broadcast_to(shift_left(tokens, 1), (k_steps,) + tokens.shape)
+  mesh, spec = sharding.current_spec(LOGITS_AXES, draft.shape[:-1] + (head.shape[1],))
+  terms = fused_head(draft, head, target_hidden=target, tokens=next_tokens,
+                     implementation=implementation, interpret=interpret, mesh=mesh,
+                     spec=spec)
+  back = lambda x: jnp.stack([shift_left_axis1(x[k], k + 1) for k in range(k_steps)])
+  return back(terms["tv"]), back(terms["ce"]), back(terms["kl"])
+
+
 def mtp_loss(out: dict[str, jax.Array], tokens: jax.Array, loss_mask: jax.Array, *,
              loss: str, depth_weights: Sequence[float] | None = None,
              tv_implementation: str | None = None, tv_interpret: bool = False,
@@ -71,8 +113,14 @@ def mtp_loss(out: dict[str, jax.Array], tokens: jax.Array, loss_mask: jax.Array,
   """The MTP objective `loss` (one of LOSSES) and per-depth metrics.
 
   Args:
-    out: the teacher-forced forward's outputs (Policy.__call__ with the MTP chain).
+    out: the teacher-forced forward's outputs (Policy.__call__ with the MTP chain): with
+      logits (the dense head: the TV kernel on [K, B, T, V] logits) or, from
+      `logits=False`, final-normed hidden states and the head (the fused head: every term
+      streamed over vocabulary chunks, `_fused_terms`). Both give the same values and
+      gradients (tests/test_mtp_losses.py).
     tokens: [B, T]; loss_mask: [B, T] (1 = token is a target, e.g. a policy-sampled token).
+    tv_implementation, tv_interpret: the kernel implementation (of tv_loss or fused_head)
+      and Pallas interpret mode.
     temperature: applied to both distributions before comparing them (1 = raw).
   Returns:
     (loss, metrics): metrics has alpha_k, tv_k, kl_k, ce_k per depth (k = 1..K), the
@@ -80,42 +128,30 @@ def mtp_loss(out: dict[str, jax.Array], tokens: jax.Array, loss_mask: jax.Array,
   """
   if loss not in LOSSES:
     raise ValueError(f"loss={loss!r} is not allowed: one of {LOSSES}")
-  if "mtp_logits" not in out:
+  if "mtp_logits" not in out and "mtp_normed" not in out:
     raise ValueError("the forward pass has no MTP chain (num_draft_steps=0)")
-  draft = out["mtp_logits"] / temperature                             # [K, B, T, V]
-  k_steps = draft.shape[0]
-  p_logits = jax.lax.stop_gradient(out["logits"]) / temperature      # p_i
-  target = jnp.stack([shift_left_axis1(p_logits, k + 1) for k in range(k_steps)])
+  fused = "mtp_normed" in out
+  k_steps = out["mtp_mask"].shape[0]
   masks = jnp.stack([out["mtp_mask"][k] & (shift_left(loss_mask, k + 2) > 0)
                      for k in range(k_steps)])                        # [K, B, T]
-  # Invalid positions (padding, chain past a segment end) still go through the kernel but
-  # are masked; their target is zeros there (finite), so values and gradients are finite.
-  mesh, spec = sharding.current_spec(LOGITS_AXES, draft.shape)
-  tv = tv_distance(draft, target, implementation=tv_implementation, interpret=tv_interpret,
-                   mesh=mesh, spec=spec)                              # [K, B, T]
+  tv, ce, kl = (_fused_terms if fused else _dense_terms)(
+      out, tokens, k_steps, temperature, tv_implementation, tv_interpret)
   alpha = 1.0 - tv
-  ce = jnp.stack([token_cross_entropy(draft[k], shift_left(tokens, k + 2))
-                  for k in range(k_steps)])
   w = _normalised_weights(depth_weights, k_steps)
   chain_mask = jnp.all(masks, axis=0)
   prods = jnp.cumprod(alpha, axis=0)                                  # prod_{j<=k} alpha_j
+  per_depth = lambda x: jnp.stack([_masked_mean(x[k], masks[k]) for k in range(k_steps)])
   if loss == "e2e_tv":
     value = _masked_mean(1.0 - jnp.einsum("k,kbt->bt", w, prods), chain_mask)
-  elif loss == "tv":
-    value = jnp.sum(w * jnp.stack([_masked_mean(tv[k], masks[k]) for k in range(k_steps)]))
-  elif loss == "ce":
-    value = jnp.sum(w * jnp.stack([_masked_mean(ce[k], masks[k]) for k in range(k_steps)]))
-  else:  # kl
-    kl = kl_divergence(target, draft)
-    value = jnp.sum(w * jnp.stack([_masked_mean(kl[k], masks[k]) for k in range(k_steps)]))
+  else:
+    value = jnp.sum(w * per_depth({"tv": tv, "ce": ce, "kl": kl}[loss]))
 
   metrics = {"loss": value, "positions": jnp.sum(chain_mask)}
   sg = jax.lax.stop_gradient
-  kl_metric = kl_divergence(target, sg(draft))
   for k in range(k_steps):
     metrics[f"alpha_{k + 1}"] = _masked_mean(sg(alpha[k]), masks[k])
     metrics[f"tv_{k + 1}"] = _masked_mean(sg(tv[k]), masks[k])
-    metrics[f"kl_{k + 1}"] = _masked_mean(kl_metric[k], masks[k])
+    metrics[f"kl_{k + 1}"] = _masked_mean(sg(kl[k]), masks[k])
     metrics[f"ce_{k + 1}"] = _masked_mean(sg(ce[k]), masks[k])
   metrics["expected_accepted_length"] = _masked_mean(
       expected_accepted_length(sg(alpha)), chain_mask)

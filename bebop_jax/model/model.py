@@ -179,11 +179,15 @@ class Policy(nnx.Module):
     x = jnp.take(table, tokens, axis=0)
     return sharding.constrain(x, ("batch", "length", "embed"))
 
+  def _final_norm(self, shared: dict[str, jax.Array], h: jax.Array) -> jax.Array:
+    """h [..., E] through the final norm: what the head multiplies."""
+    return layers.rms_norm(h, shared["final_norm"], self.config.norm_eps)
+
   def _logits(self, shared: dict[str, jax.Array], h: jax.Array,
               head: jax.Array | None = None) -> jax.Array:
     """float32 logits [B, T, V] of hidden states h [B, T, E] (through `head` [E, V'] instead
     of the shared head when given: a reduced draft vocabulary)."""
-    h = layers.rms_norm(h, shared["final_norm"], self.config.norm_eps)
+    h = self._final_norm(shared, h)
     head = shared["head"] if head is None else head
     logits = layers.dense(h, head, preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "vocab"))
@@ -274,7 +278,8 @@ class Policy(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, *, num_draft_steps: int | None = None,
-               mtp_stop_gradient: bool | None = None) -> dict[str, jax.Array]:
+               mtp_stop_gradient: bool | None = None, logits: bool = True
+               ) -> dict[str, jax.Array]:
     """Teacher-forced forward of the main model and the MTP chain.
 
     Args:
@@ -283,10 +288,16 @@ class Policy(nnx.Module):
       segment_ids: [B, T] (default all ones); 0 marks padding.
       num_draft_steps: K (default config.num_draft_steps); 0 skips the MTP chain.
       mtp_stop_gradient: default config.mtp_stop_gradient.
+      logits: False returns, instead of logits, the hidden states through the final norm
+        and the head they multiply (for losses that stream the head over the vocabulary,
+        bebop_jax/losses/head.py, and never hold [B, T, V] logits).
     Returns a dict:
       logits [B, T, V] f32: p_i; hidden [B, T, E]: h0_i; mask [B, T] bool: p_i is valid;
       mtp_logits [K, B, T, V] f32: q_i^k at index k-1; mtp_hidden [K, B, T, E];
-      mtp_mask [K, B, T] bool: q_i^k is valid.
+      mtp_mask [K, B, T] bool: q_i^k is valid. With logits=False: normed [B, T, E] and
+      head [E, V] (p_i = softmax(normed_i @ head)) in place of logits, mtp_normed
+      [K, B, T, E] and mtp_head [E, V] (the chain's head, detached when the chain's
+      shared weights are) in place of mtp_logits.
     """
     c = self.config
     b, t = tokens.shape
@@ -303,8 +314,11 @@ class Policy(nnx.Module):
     shared = self._shared(stop_gradient=False)
     h0 = self._main_blocks(self._embed(shared["embed"], tokens, gather_table=True),
                            positions, mask=attn_mask, sincos=sincos)
-    out = {"logits": self._logits(shared, h0), "hidden": h0,
-           "mask": shifted_valid(segment_ids, 1)}
+    out = {"hidden": h0, "mask": shifted_valid(segment_ids, 1)}
+    if logits:
+      out["logits"] = self._logits(shared, h0)
+    else:
+      out.update(normed=self._final_norm(shared, h0), head=shared["head"])
     if k_steps == 0:
       return out
 
@@ -317,10 +331,14 @@ class Policy(nnx.Module):
       emb = self._embed(mtp_shared["embed"], shift_left(tokens, depth), gather_table=True)
       h_prev = mtp_block(p, self._mtp_input(p, h_prev, emb), positions, attn_mask, sincos)
       mtp_hidden.append(h_prev)
-      mtp_logits.append(self._logits(mtp_shared, h_prev))
+      mtp_logits.append(self._logits(mtp_shared, h_prev) if logits else
+                        self._final_norm(mtp_shared, h_prev))
       mtp_mask.append(shifted_valid(segment_ids, depth + 1))
-    out.update(mtp_logits=jnp.stack(mtp_logits), mtp_hidden=jnp.stack(mtp_hidden),
-               mtp_mask=jnp.stack(mtp_mask))
+    out.update(mtp_hidden=jnp.stack(mtp_hidden), mtp_mask=jnp.stack(mtp_mask))
+    if logits:
+      out["mtp_logits"] = jnp.stack(mtp_logits)
+    else:
+      out.update(mtp_normed=jnp.stack(mtp_logits), mtp_head=mtp_shared["head"])
     return out
 
   # ---------------------------------------------------------------- decoding

@@ -273,11 +273,12 @@ class Learner:
   steady state.
 
   `rl` is the validated `config.rl` section; `params` the policy's parameters (trunk and MTP
-  modules); `seq_len` the longest rollout (max prompt + completion budget).
+  modules); `seq_len` the longest rollout (max prompt + completion budget); `mtp_head`
+  config.mtp.head (the drafter update's losses, losses.mtp.HEADS).
   """
 
   def __init__(self, rl: Any, graphdef: nnx.GraphDef, params: nnx.State, *, mesh, rules,
-               seq_len: int):
+               seq_len: int, mtp_head: str = "fused"):
     self.rl, self.seq_len, self.mesh, self.rules = rl, seq_len, mesh, rules
     self.buckets = length_buckets(seq_len)
     self.strategy = rl.mtp.strategy
@@ -330,7 +331,7 @@ class Learner:
 
       def mtp_loss_fn(model, batch):
         out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                    mtp_stop_gradient=True)
+                    mtp_stop_gradient=True, logits=mtp_head == "dense")
         return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=rl.mtp.loss,
                                    temperature=rl.rollout.temperature)
 

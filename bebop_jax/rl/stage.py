@@ -243,7 +243,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   seeds = drafter_acceptance(config, workdir)
   seq_len = c.max_prompt_len + c.rollout.max_new_tokens
   learn = learner.Learner(c, graphdef, params0, mesh=place.learner_mesh,
-                          rules=place.learner_rules, seq_len=seq_len)
+                          rules=place.learner_rules, seq_len=seq_len,
+                          mtp_head=config.mtp.head)
   loop = (f"async (max_staleness {eta}, interrupt {asynchronous.interrupt}, off-policy "
           f"{asynchronous.off_policy})" if asynchronous.enabled else "sync")
   print(f"[rl] updates compiled in {learn.compile_seconds:.1f}s (policy from the {source} "
