@@ -135,7 +135,7 @@ def _markdown(records: list[dict]) -> str:
       lines.append(f"{head} error: {r['error'][:60]} | | | |")
       continue
     ratio = lambda key: f"{r[key]:.3f}" if key in r else "-"
-    lines.append(f"{head} {r['temp_bytes'] / 2**20:.1f} | {r['median_s']:.2f} | "
+    lines.append(f"{head} {r['temp_bytes'] / 2**20:.1f} | {r['median_s']:.3g} | "
                  f"{ratio('temp_vs_reference')} | {ratio('time_vs_reference')} |")
   return "\n".join(lines)
 

@@ -174,17 +174,13 @@ def _sharded_head(name: str, mesh: Mesh, spec: PartitionSpec, lead_ndim: int,
         check_vma=False)
 
   def forward_fn(x: HeadInputs):
-    return forward({k: getattr(x, _FIELD[k]) for k in present})
+    return forward({k: getattr(x, k) for k in present})
 
   def backward_fn(x: HeadInputs, res: Residuals, cot: Cotangents, *, head_grad: bool):
-    arrays = {k: getattr(x, _FIELD[k]) for k in present}
+    arrays = {k: getattr(x, k) for k in present}
     return backward_map(tuple(c is not None for c in cot), head_grad)(arrays, res, cot)
 
   return common.make_fused_head(forward_fn, backward_fn)
-
-
-_FIELD = dict(draft="draft", head="head", bias="bias", tokens="tokens",
-              target_hidden="target_hidden", target_logits="target_logits")
 
 
 def fused_head(name: str, draft: jax.Array, head: jax.Array, *, bias=None, tokens=None,
@@ -206,6 +202,6 @@ def fused_head(name: str, draft: jax.Array, head: jax.Array, *, bias=None, token
       target_logits = jnp.pad(target_logits, [(0, 0)] * (target_logits.ndim - 1) + [(0, pad)],
                               constant_values=common.NEG_INF)
   args = HeadInputs(draft, head, bias, tokens, target_hidden, target_logits)
-  present = tuple(k for k in _FIELD if getattr(args, _FIELD[k]) is not None)
+  present = tuple(k for k in HeadInputs._fields if getattr(args, k) is not None)
   fn = _sharded_head(name, mesh, spec, len(lead), target_ndim, present, chunk_size, interpret)
   return fn(*args)
