@@ -133,13 +133,13 @@ def test_a_placement_error_names_the_devices_and_how_to_simulate_them(tmp_path,
 
 
 def test_run_hints_read_the_config_docstring(tmp_path):
-  from bebop_jax import main as main_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax import console  # pylint: disable=g-import-not-at-top
   path = tmp_path / "c.py"
   path.write_text('r"""Doc.\n\n  XLA_FLAGS=--x=2 \\\n      python -m bebop_jax.main --config=c.py\n"""\n')
-  assert main_lib.run_hints(f"{path}:arg") == [
+  assert console.run_hints(f"{path}:arg") == [
       "XLA_FLAGS=--x=2 python -m bebop_jax.main --config=c.py"]
-  assert main_lib.run_hints(os.path.join(REPO, "configs", "quickstart.py")) == []
-  assert main_lib.run_hints(str(tmp_path / "missing.py")) == []
+  assert console.run_hints(os.path.join(REPO, "configs", "quickstart.py")) == []
+  assert console.run_hints(str(tmp_path / "missing.py")) == []
 
 
 def test_cli_runs_the_data_stage(tmp_path):
