@@ -34,40 +34,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from pallas_kernels import layout
 from pallas_kernels.fused_head import common
 from pallas_kernels.fused_head.common import Cotangents, HeadInputs, Residuals
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
+_axes = layout.axes
+vocab_shards = layout.vocab_shards
 
 
 def check_spec(mesh: Mesh, spec: PartitionSpec, logits_shape: Sequence[int]) -> None:
-  """Raises ValueError, naming what is wrong, unless `spec` fits logits [..., V] on `mesh`."""
-  if len(spec) != len(logits_shape):
-    raise ValueError(f"fused_head spec {spec} has {len(spec)} entries; the logits "
-                     f"{tuple(logits_shape)} have {len(logits_shape)} dimensions")
-  seen: list[str] = []
-  for entry in spec:
-    for axis in _axes(entry):
-      if axis not in mesh.shape:
-        raise ValueError(f"fused_head spec {spec} names mesh axis {axis!r}; the mesh has "
-                         f"{tuple(mesh.axis_names)}")
-      seen.append(axis)
-  if len(set(seen)) != len(seen):
-    raise ValueError(f"fused_head spec {spec} uses a mesh axis twice")
-  for i, (dim, entry) in enumerate(zip(logits_shape[:-1], spec[:-1])):
-    size = math.prod(mesh.shape[a] for a in _axes(entry))
-    if dim % size:
-      raise ValueError(f"fused_head spec {spec} splits dimension {i} of size {dim} "
-                       f"{size} ways; it must divide it")
-
-
-def vocab_shards(mesh: Mesh, spec: PartitionSpec) -> int:
-  return math.prod(mesh.shape[a] for a in _axes(spec[-1]))
+  """Raises ValueError, naming what is wrong, unless `spec` fits [..., V] logits on `mesh`."""
+  layout.check_spec(mesh, spec, logits_shape, "fused_head")
 
 
 def local_shapes(mesh: Mesh, spec: PartitionSpec, lead: Sequence[int],

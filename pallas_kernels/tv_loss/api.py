@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from pallas_kernels import layout
 from pallas_kernels.tv_loss import sharded
 
-IMPLEMENTATIONS = ("reference", "xla_blockwise", "pallas_tpu", "pallas_gpu")
-FALLBACK = "xla_blockwise"
-_BACKEND_DEFAULT = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
-                    "rocm": "pallas_gpu", "cpu": "xla_blockwise"}
+IMPLEMENTATIONS = layout.IMPLEMENTATIONS
+FALLBACK = layout.FALLBACK
+_BACKEND_DEFAULT = layout.BACKEND_DEFAULT
 _warned_fallbacks: set[str] = set()
 
 

@@ -36,40 +36,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallas_kernels import layout
 from pallas_kernels.tv_loss import common
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
+_axes = layout.axes
+vocab_shards = layout.vocab_shards
 
 
 def check_spec(mesh: Mesh, spec: PartitionSpec, shape: Sequence[int]) -> None:
   """Raises ValueError, naming what is wrong, unless `spec` fits [..., V] logits on `mesh`."""
-  if len(spec) != len(shape):
-    raise ValueError(f"tv_distance spec {spec} has {len(spec)} entries; the logits "
-                     f"{tuple(shape)} have {len(shape)} dimensions")
-  seen: list[str] = []
-  for dim, entry in zip(shape, spec):
-    axes = _axes(entry)
-    for axis in axes:
-      if axis not in mesh.shape:
-        raise ValueError(f"tv_distance spec {spec} names mesh axis {axis!r}; the mesh has "
-                         f"{tuple(mesh.axis_names)}")
-    seen.extend(axes)
-  if len(set(seen)) != len(seen):
-    raise ValueError(f"tv_distance spec {spec} uses a mesh axis twice")
-  for i, (dim, entry) in enumerate(zip(shape[:-1], spec[:-1])):
-    size = math.prod(mesh.shape[a] for a in _axes(entry))
-    if dim % size:
-      raise ValueError(f"tv_distance spec {spec} splits dimension {i} of size {dim} "
-                       f"{size} ways; it must divide it")
-
-
-def vocab_shards(mesh: Mesh, spec: PartitionSpec) -> int:
-  return math.prod(mesh.shape[a] for a in _axes(spec[-1]))
+  layout.check_spec(mesh, spec, shape, "tv_distance")
 
 
 def local_shape(mesh: Mesh, spec: PartitionSpec, shape: Sequence[int]) -> tuple[int, int]:
