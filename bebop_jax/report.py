@@ -27,6 +27,7 @@ from bebop_jax import evaluation
 from bebop_jax.decoding import adaptive, batching, benchmark, diagnostics, sampling
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.rl import stage as rl_stage
+from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import mtp, sft
 
 STAGE = "eval"
@@ -84,7 +85,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   mtp_summary = mtp.read_summary(workdir)
   if mtp_summary is None:
     raise FileNotFoundError(f"the eval stage needs a completed MTP stage in {workdir}")
-  graphdef, params = mtp.load_policy(config, workdir)
+  graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
   r, m = config.report, config.mtp
   modes = tuple(m.eval_modes)
 

@@ -312,3 +312,119 @@ def test_relative_directory(tmp_path, monkeypatch):
   with Checkpointer("runs/rel/checkpoints") as ckpt:
     _assert_trees_equal(ckpt.restore(1, abstract_like(state)), state)
   assert os.listdir(tmp_path / "runs/rel/checkpoints") == ["1"]
+
+
+# ------------------------------------------------------------------ restoring a stage's policy
+
+
+def _stage_config(sft_trainable: str):
+  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.load_file(os.path.join(REPO_ROOT, "configs", "rl_tiny.py"))
+  config.sft.optim.trainable = sft_trainable
+  return config
+
+
+def _save_stage(workdir, config, stage: str, seed: int, step: int):
+  """Writes `stage`'s checkpoint at `step` the way its trainer does
+  (trainer.TrainState.checkpoint_tree(): the trainable subset, AdamW state after one update,
+  the step), its parameters a policy initialised with `seed`; returns the saved tree."""
+  from bebop_jax.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.train import trainer  # pylint: disable=g-import-not-at-top
+  model_cfg = model_config.ModelConfig.from_dict(config.model.to_dict())
+  _, trainable, frozen = nnx.split(
+      policy_lib.Policy(model_cfg, rngs=nnx.Rngs(seed)),
+      optimizer_lib.trainable_filter(config[stage].optim.trainable), ...)
+  tx, _ = optimizer_lib.make_optimizer(config[stage].optim, 10)
+  grads = jax.tree.map(jnp.ones_like, trainable)
+  _, opt_state = tx.update(grads, tx.init(trainable), trainable)
+  tree = trainer.TrainState(trainable, frozen, opt_state, jnp.int32(step)).checkpoint_tree()
+  with Checkpointer(ckpt_lib.checkpoint_dir(workdir, stage)) as ckpt:
+    ckpt.save(step, tree)
+  return tree
+
+
+def _saved_state(workdir, stage, step):
+  """Everything the trainer wrote at `step`, read back whole (optimizer state included)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp.PyTreeCheckpointer().restore(
+      os.path.join(ckpt_lib.checkpoint_dir(workdir, stage), str(step), "state"))
+
+
+def _no_training(monkeypatch):
+  """Building an optimizer, choosing its parameter subset or restoring a whole train state
+  fails from here on."""
+  from bebop_jax.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+
+  def refuse(*_, **__):
+    raise AssertionError("restoring a policy for inference built an optimizer")
+
+  monkeypatch.setattr(optimizer_lib, "make_optimizer", refuse)
+  monkeypatch.setattr(optimizer_lib, "trainable_filter", refuse)
+  monkeypatch.setattr(optax, "adamw", refuse)
+  monkeypatch.setattr(Checkpointer, "restore", refuse)
+
+
+def _flat(params):
+  """{"layers/wq": array, ...} of a state or of its pure form."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return {"/".join(map(str, path)): np.asarray(v)
+          for path, v in ocp.tree.to_flat_dict(ckpt_lib.to_pure(params)).items()}
+
+
+def test_restore_policy_reads_only_the_parameters_training_wrote(tmp_path, monkeypatch):
+  """SFT trains the trunk (its MTP modules frozen at their initialisation), the MTP stage the
+  MTP modules: restoring each stage's policy reads exactly the saved parameters, takes the
+  frozen ones from the initial policy, builds no optimizer and holds no optimizer state."""
+  config = _stage_config("main")
+  workdir = str(tmp_path)
+  _save_stage(workdir, config, "sft", seed=11, step=2)
+  _save_stage(workdir, config, "sft", seed=12, step=4)
+  _save_stage(workdir, config, "mtp", seed=13, step=3)
+  saved = {step: _flat(_saved_state(workdir, "sft", step)["trainable"]) for step in (2, 4)}
+  saved_mtp = _flat(_saved_state(workdir, "mtp", 3)["trainable"])
+  initial = _flat(nnx.state(ckpt_lib.initial_policy(
+      config, model_config.ModelConfig.from_dict(config.model.to_dict()), None, None)))
+  _no_training(monkeypatch)
+
+  for step in (2, None):
+    graphdef, params = ckpt_lib.restore_policy(config, workdir, stage="sft", step=step)
+    got = _flat(params)
+    assert set(got) == set(initial)  # the policy's parameters, nothing else
+    assert all(isinstance(v, nnx.Param) for _, v in params.flat_state())
+    trained = saved[2 if step else 4]
+    assert set(trained) == {p for p in got if not p.startswith("mtp/")}
+    for path, value in got.items():
+      np.testing.assert_array_equal(value, trained.get(path, initial[path]), err_msg=path)
+    assert nnx.merge(graphdef, params).config.d_model == config.model.d_model
+
+  _, params = ckpt_lib.restore_policy(config, workdir, stage="mtp")
+  got = _flat(params)
+  assert set(saved_mtp) == {p for p in got if p.startswith("mtp/")}
+  for path, value in got.items():
+    np.testing.assert_array_equal(value, saved_mtp.get(path, saved[4].get(path)), err_msg=path)
+
+
+def test_restore_policy_of_the_rl_stage_onto_a_mesh(tmp_path, monkeypatch):
+  """The RL stage's checkpoint (trunk, MTP modules, optimizer state, counters) gives its
+  parameters alone, placed on the mesh's shardings."""
+  config = _stage_config("all")
+  workdir = str(tmp_path)
+  model_cfg = model_config.ModelConfig.from_dict(config.model.to_dict())
+  params = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(5)))
+  trunk = params.filter(nnx.Not(nnx.PathContains("mtp")))
+  mtp = params.filter(nnx.PathContains("mtp"))
+  tx = optax.adamw(1e-3)
+  with Checkpointer(ckpt_lib.checkpoint_dir(workdir, "rl")) as ckpt:
+    ckpt.save(3, {"trunk": trunk, "mtp": mtp, "trunk_opt": tx.init(trunk),
+                  "updates": jnp.int32(6), "rl_step": jnp.int32(3)})
+  _no_training(monkeypatch)
+  mesh = sharding.make_mesh((2, 4), ("data", "tensor"))
+  _, restored = ckpt_lib.restore_policy(config, workdir, stage="rl", mesh=mesh)
+  _assert_trees_equal(restored, params)
+  want = ckpt_lib.to_pure(sharding.state_shardings(params, mesh, sharding.DEFAULT_RULES))
+  got = ckpt_lib.to_pure(restored)
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    assert g.sharding == w
+  assert got["embed"].sharding.spec == P("tensor", None)  # really sharded
+  with pytest.raises(FileNotFoundError, match="no mtp checkpoint"):
+    ckpt_lib.restore_policy(config, workdir, stage="mtp")

@@ -10,7 +10,8 @@ import pytest
 
 from bebop_jax import config as config_lib
 from bebop_jax import stages
-from bebop_jax.train import mtp, sft
+from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import mtp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,8 +71,8 @@ def test_only_the_drafter_changes(job):
   summary = mtp.read_summary(workdir)
   assert {"alpha_1", "tv_1", "kl_1", "ce_1", "expected_accepted_length"} <= set(
       summary["metrics"])
-  _, sft_params = sft.load_policy(config, workdir)
-  _, params = mtp.load_policy(config, workdir)
+  _, sft_params = checkpoint_lib.restore_policy(config, workdir, stage="sft")
+  _, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
   flat_sft = dict(jax.tree_util.tree_leaves_with_path(sft_params))
   changed = {jax.tree_util.keystr(p): not np.array_equal(np.asarray(v), np.asarray(flat_sft[p]))
              for p, v in jax.tree_util.tree_leaves_with_path(params)}
@@ -148,7 +149,7 @@ def test_pack_rows():
 def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
   from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
-  graphdef, state = mtp.load_policy(config, workdir)
+  graphdef, state = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
   rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
                                  modes=["rejection"], max_new=16, repeats=1, num_prompts=2,
                                  split_fixed_cost=True)
@@ -166,7 +167,7 @@ def test_decode_benchmark_rows_per_draft_vocabulary(job):
   teacher-forced acceptance); the drafts it accepts are inside it."""
   from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
-  graphdef, state = mtp.load_policy(config, workdir)
+  graphdef, state = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
   ids, _ = mtp.draft_vocabulary(config, workdir, 6, always=(2,))
   rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
                                  modes=["block"], max_new=16, repeats=1, num_prompts=2,
@@ -192,7 +193,7 @@ def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
   ids = rl_stage.draft_vocabulary(config, workdir)
   tok = get_tokenizer()
   assert len(ids) == 8 and {tok.eos_id, tok.call_end_id} <= set(ids)
-  graphdef, params = mtp.load_policy(config, workdir)
+  graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
   task_objs = {"math": tasks_lib.get_task("math", **config.data.tasks["math"].knobs)}
   examples = {"math": pipeline.eval_examples(config.data, "math", 4)}
   ev = rl_stage.evaluate(config, graphdef, params, examples, task_objs, draft_vocab=ids)

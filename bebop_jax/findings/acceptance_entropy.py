@@ -60,10 +60,11 @@ def rl_step_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
 def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   """{mode: {"temperature", "entropy", "depth1", "mean"}}: one point per temperature."""
   from bebop_jax.decoding import batching, diagnostics, sampling  # pylint: disable=g-import-not-at-top
+  from bebop_jax.train import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
   config = ctx.drafter_config("e2e_tv", 0)
   workdir = ctx.drafter("e2e_tv", 0)
-  graphdef, params = mtp.load_policy(config, workdir)
+  graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
   heldout = mtp.self_distillation_data(  # cached by the MTP stage
       config, graphdef, params, os.path.join(mtp.sft_workdir(config, workdir), "mtp_data"),
       "test", {n: config.eval.num_examples for n in mtp._per_task(config, 1)})  # pylint: disable=protected-access

@@ -86,11 +86,11 @@ def load_initial_policy(config: ml_collections.ConfigDict, workdir: str
   and drafter when it completed in the source workdir, else the SFT policy."""
   source = feedworkdir(config, workdir)
   if mtp_stage.read_summary(source) is not None:
-    graphdef, params = mtp_stage.load_policy(config, source)
+    graphdef, params = checkpoint_lib.restore_policy(config, source, stage="mtp")
     return graphdef, params, "mtp"
   sft_source = mtp_stage.sft_workdir(config, source)
   if sft.read_summary(sft_source) is not None:
-    graphdef, params = sft.load_policy(config, sft_source)
+    graphdef, params = checkpoint_lib.restore_policy(config, sft_source, stage="sft")
     return graphdef, params, "sft"
   raise FileNotFoundError(f"the RL stage needs a completed SFT (and ideally MTP) stage in "
                           f"{source} (run them first, or set rl.init_from)")
@@ -254,7 +254,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       config.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
       max_prompt_len=c.max_prompt_len, seed=config.seed))
   checkpointer = checkpoint_lib.Checkpointer(
-      os.path.join(stage_dir(workdir), "checkpoints"), keep_last=c.train.keep_checkpoints)
+      checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=c.train.keep_checkpoints)
   start_step = 0
   if checkpointer.latest_step() is not None:
     tree = dict(learn.state_tree(), rl_step=jnp.int32(0))

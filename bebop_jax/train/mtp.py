@@ -67,9 +67,7 @@ def read_summary(workdir: str) -> dict[str, Any] | None:
   return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
 
 
-def sft_workdir(config: ml_collections.ConfigDict, workdir: str) -> str:
-  return os.path.abspath(os.path.expanduser(config.mtp.init_from)) if config.mtp.init_from \
-      else workdir
+sft_workdir = checkpoint_lib.sft_workdir  # where the policy the drafter is for was trained
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -277,18 +275,6 @@ def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task
 # ----------------------------------------------------------------------------- the stage
 
 
-def load_policy(config: ml_collections.ConfigDict, workdir: str
-                ) -> tuple[nnx.GraphDef, nnx.State]:
-  """(graphdef, parameters): the SFT policy with the MTP stage's trained parameters."""
-  graphdef, params = sft.load_policy(config, sft_workdir(config, workdir))
-  model = nnx.merge(graphdef, params)
-  graphdef, trainable, frozen = split(model, config)
-  tx, _ = optimizer_lib.make_optimizer(config.mtp.optim, config.mtp.train.num_steps)
-  restored = checkpoint_lib.restore_trainable(
-      os.path.join(stage_dir(workdir), "checkpoints"), trainable, tx)
-  return graphdef, nnx.merge_state(frozen, restored)
-
-
 def load_workdir_policy(config: ml_collections.ConfigDict, workdir: str | None, *,
                         which: str = "auto") -> tuple[nnx.GraphDef, nnx.State, str]:
   """(graphdef, parameters, where they came from) for benchmarks: the MTP stage's policy
@@ -299,9 +285,11 @@ def load_workdir_policy(config: ml_collections.ConfigDict, workdir: str | None, 
     raise ValueError(f"which={which!r} is not allowed: one of auto, mtp, sft, random")
   use_mtp = which == "mtp" or (which == "auto" and workdir and read_summary(workdir) is not None)
   if which != "random" and workdir and use_mtp:
-    return (*load_policy(config, workdir), f"sft + mtp checkpoint in {workdir}")
+    return (*checkpoint_lib.restore_policy(config, workdir, stage="mtp"),
+            f"sft + mtp checkpoint in {workdir}")
   if which != "random" and workdir and sft.read_summary(workdir) is not None:
-    return (*sft.load_policy(config, workdir), f"sft checkpoint in {workdir}")
+    return (*checkpoint_lib.restore_policy(config, workdir, stage="sft"),
+            f"sft checkpoint in {workdir}")
   return (*policy_lib.init(ModelConfig.from_dict(config.model.to_dict()), config.seed),
           "random_init")
 
@@ -381,11 +369,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return done
   m = config.mtp
   source = sft_workdir(config, workdir)
-  if sft.read_summary(source) is None and not sft.uses_pretrained(config, source):
+  if sft.read_summary(source) is None and not checkpoint_lib.uses_pretrained(config, source):
     raise FileNotFoundError(f"the MTP stage needs a completed SFT stage in {source} "
                             "(run the 'sft' stage first, set mtp.init_from, or start from "
                             "a pretrained checkpoint with sft.init_from_hf)")
-  if sft.uses_pretrained(config, source):
+  if checkpoint_lib.uses_pretrained(config, source):
     print(f"[mtp] no SFT stage in {source}: the drafter is trained for the pretrained "
           f"policy {config.sft.init_from_hf}")
   os.makedirs(stage_dir(workdir), exist_ok=True)
@@ -395,7 +383,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   rules = tuple(tuple(r) for r in config.mesh.rules)
 
-  graphdef0, sft_params = sft.load_policy(config, source)
+  graphdef0, sft_params = checkpoint_lib.restore_policy(config, source, stage="sft")
   data_dir = os.path.join(source, "mtp_data")
   t0 = time.perf_counter()
   train_data = self_distillation_data(config, graphdef0, sft_params, data_dir, "train",
@@ -442,7 +430,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   dataset = train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed)
   data_iter = iter(dataset)
   checkpointer = checkpoint_lib.Checkpointer(
-      os.path.join(stage_dir(workdir), "checkpoints"), keep_last=m.train.keep_checkpoints)
+      checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=m.train.keep_checkpoints)
   state, latest = trainer.resume(checkpointer, state, data_iter)
   if latest is not None:
     print(f"[mtp] resumed from step {latest}")

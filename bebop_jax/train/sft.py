@@ -18,7 +18,6 @@ import os
 import time
 from typing import Any
 
-import jax
 import ml_collections
 from absl import logging
 from flax import nnx
@@ -29,7 +28,6 @@ from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.losses import lm
-from bebop_jax.model import hf
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
@@ -91,30 +89,6 @@ def policy_entropy(config: ml_collections.ConfigDict, graphdef, params) -> dict[
       config, graphdef, params, num_examples=config.eval.num_examples, seed=config.seed + 3))
 
 
-def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
-                ) -> tuple[nnx.GraphDef, nnx.State]:
-  """(graphdef, parameters) of the SFT policy saved in `workdir` (latest step by default),
-  on the default device. With `sft.init_from_hf` and no SFT stage in `workdir` (e.g.
-  `stages=("mtp", "eval")`), the pretrained checkpoint itself."""
-  model_cfg = ModelConfig.from_dict(config.model.to_dict())
-  if uses_pretrained(config, workdir):
-    return nnx.split(initial_policy(config, model_cfg, None, sharding.DEFAULT_RULES))
-  model = nnx.eval_shape(lambda: policy_lib.Policy(model_cfg, rngs=nnx.Rngs(0)))
-  graphdef, trainable, frozen = nnx.split(
-      model, optimizer_lib.trainable_filter(config.sft.optim.trainable), ...)
-  tx, _ = optimizer_lib.make_optimizer(config.sft.optim, config.sft.train.num_steps)
-  restored = checkpoint_lib.restore_trainable(
-      os.path.join(stage_dir(workdir), "checkpoints"), trainable, tx, step)
-  params = jax.device_put(frozen, jax.devices()[0]) if len(frozen) else frozen
-  return graphdef, nnx.merge_state(restored, params)
-
-
-def uses_pretrained(config: ml_collections.ConfigDict, workdir: str) -> bool:
-  """Whether the policy of `workdir` is `sft.init_from_hf` as it is: no SFT stage ran there."""
-  return bool(config.sft.init_from_hf) and not os.path.isdir(
-      os.path.join(stage_dir(workdir), "checkpoints"))
-
-
 def mtp_depths(config: ml_collections.ConfigDict) -> int:
   """MTP depths in the SFT loss: all K with a joint MTP loss, else none."""
   return config.model.num_draft_steps if config.sft.mtp_loss_weight > 0 else 0
@@ -132,24 +106,6 @@ def make_loss_fn(config: ml_collections.ConfigDict):
   return loss_fn
 
 
-def initial_policy(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh,
-                   rules) -> policy_lib.Policy:
-  """The policy SFT starts from: a random initialisation, or (sft.init_from_hf) a Hugging Face
-  Qwen3 checkpoint placed onto the mesh, its MTP modules by sft.hf_mtp (hf.MTP_MODES)."""
-  path = config.sft.init_from_hf
-  if not path:
-    return policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed))
-  cfg, state = hf.import_checkpoint(
-      path, mesh=mesh, rules=rules, dtype=model_cfg.param_dtype, mtp=config.sft.hf_mtp,
-      num_mtp_modules=model_cfg.num_mtp_modules, num_draft_steps=model_cfg.num_draft_steps,
-      seed=config.seed, vocab_size=model_cfg.vocab_size)
-  hf.check_matches(cfg, model_cfg, f"config.sft.init_from_hf={path!r}")
-  # config.model's graph: its compute dtype, attention and remat choices over these weights.
-  print(f"[sft] starting from {path} ({policy_lib.num_params(state) / 1e6:.1f}M parameters, "
-        f"MTP modules: {config.sft.hf_mtp})")
-  return nnx.merge(policy_lib.abstract_state(model_cfg)[0], state)
-
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) SFT; returns the stage summary."""
   done = read_summary(workdir)
@@ -163,7 +119,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rules = tuple(tuple(r) for r in config.mesh.rules)
   num_steps = s.train.num_steps
 
-  model = initial_policy(config, model_cfg, mesh, rules)
+  model = checkpoint_lib.initial_policy(config, model_cfg, mesh, rules)
   graphdef, trainable, frozen = nnx.split(
       model, optimizer_lib.trainable_filter(s.optim.trainable), ...)
   tx, schedule = optimizer_lib.make_optimizer(s.optim, num_steps)
@@ -174,7 +130,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                  packing=d.packing, seed=config.seed)
   data_iter = iter(dataset)
   checkpointer = checkpoint_lib.Checkpointer(
-      os.path.join(stage_dir(workdir), "checkpoints"), keep_last=s.train.keep_checkpoints,
+      checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=s.train.keep_checkpoints,
       best_metric="pass_at_1_mean")
   state, latest = trainer.resume(checkpointer, state, data_iter)
   if latest is not None:
