@@ -214,12 +214,14 @@ def base_config() -> ml_collections.ConfigDict:
       segment=16,                  # iterations between decisions (doubling while K holds)
       batch_factor=4))             # finished rows leave: batches B, then powers of this
 
-  # Evaluation stage (bebop_jax.report): decode speed and acceptance against entropy.
+  # Evaluation stage (bebop_jax.eval_stage; bebop_jax.report renders it): the policy the job
+  # ends with, its decode speed and acceptance against entropy.
   c.report = ml_collections.ConfigDict()
   c.report.batch_sizes = (1, 8)    # speculative vs autoregressive wall clock at these
   c.report.num_prompts = 32        # held-out prompts per measurement (batch 1: one by one)
   c.report.repeats = 2             # timed passes (best kept)
   c.report.entropy_temperatures = (1.0, 1.5, 2.0)  # re-scoring temperatures for the fit
+  c.report.progress = True         # progress bars with ETA over the stage's long phases
 
   # Evaluation by sampling: pass@1 per task at each temperature.
   c.eval = ml_collections.ConfigDict()

@@ -1,235 +1,45 @@
-"""Evaluation stage: measure the final policy + drafter and write the report.
+"""The eval stage's pages: report.md, plots/*.png, the headline and the closing table.
 
-Reads the SFT and MTP stage summaries (pass@1 and acceptance were measured there with
-speculative decoding on held-out prompts), then measures here:
-  - wall-clock speed of speculative against autoregressive decoding on the same held-out
-    prompts at each `report.batch_sizes`, at mtp.temperature, for each mtp.eval_modes
-    (bebop_jax.decoding.benchmark, which also checks online against teacher-forced
-    acceptance at the visited frontiers);
-  - acceptance against target entropy: per-position teacher-forced depth-1 acceptance and
-    target entropy over the held-out rollouts at each `report.entropy_temperatures` (the
-    temperature raises the policy's entropy), with a least-squares line per mode.
-Writes <workdir>/summary.json, <workdir>/plots/*.png and <workdir>/report.md.
+Rendering only: bebop_jax.eval_stage measures the policy the job ends with and assembles the
+summary (the dict written to <workdir>/summary.json, keys in docs/main_job.md); the
+functions here turn that dict into text and figures and compute nothing of their own.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from bebop_jax import evaluation
-from bebop_jax.decoding import adaptive, batching, benchmark, diagnostics, sampling
-from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.rl import stage as rl_stage
-from bebop_jax.train import checkpoint as checkpoint_lib
-from bebop_jax.train import mtp, sft
-
-STAGE = "eval"
-TIMING_FILE = "timing.json"
 
 
-def read_summary(workdir: str) -> dict[str, Any] | None:
-  return metrics_lib.read_json(os.path.join(workdir, "summary.json"))
+def teacher_forced(s: dict) -> dict[str, list[float]]:
+  """{mode: teacher-forced acceptance per depth} of the measured policy (summaries written
+  before the eval stage measured it themselves: the MTP stage's)."""
+  return (s.get("decode") or {}).get("acceptance_teacher_forced") or \
+      (s.get("mtp") or {}).get("acceptance_teacher_forced_by_mode") or {}
 
 
-def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-  """Least-squares y = intercept + slope * x, with r2 and the slope's standard error
-  (`slope_se`; a 95% interval is about slope +- 2 slope_se)."""
-  x, y = np.asarray(x, float), np.asarray(y, float)
-  slope, intercept = np.polyfit(x, y, 1)
-  resid = y - (intercept + slope * x)
-  total = np.sum((y - y.mean()) ** 2)
-  spread = np.sum((x - x.mean()) ** 2)
-  se = (np.sqrt(np.sum(resid ** 2) / (len(x) - 2) / spread)
-        if len(x) > 2 and spread > 0 else float("nan"))
-  return {"slope": float(slope), "intercept": float(intercept),
-          "r2": float(1 - np.sum(resid ** 2) / total) if total > 0 else 0.0,
-          "slope_se": float(se), "points": int(len(x))}
-
-
-def entropy_points(graphdef, params, sequences, *, temperatures, modes: tuple[str, ...],
-                   batch_size=64, buckets=batching.PROMPT_BUCKETS
-                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """{mode: (entropy, depth-1 acceptance)} per counted position, pooled over temperatures
-  (one forward per batch and temperature for all modes)."""
-  longest = batching.bucket(max(len(t) for t, _ in sequences), buckets)
-  ents, alphas = [], {mode: [] for mode in modes}
-  for t in temperatures:
-    params_s = sampling.SamplingParams(temperature=t)
-    for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
-      out = jax.device_get(diagnostics.acceptance_by_position(
-          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s,
-          modes=tuple(modes)))
-      m = out["mask"][0]
-      ents.append(out["entropy"][0][m])
-      for mode in modes:
-        alphas[mode].append(out["alpha"][mode][0][m])
-  ent = np.concatenate(ents)
-  return {mode: (ent, np.concatenate(a)) for mode, a in alphas.items()}
-
-
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Measures, writes summary.json, plots and report.md; skipped when summary.json exists."""
-  done = read_summary(workdir)
-  if done is not None:
-    print(f"[eval] complete: {os.path.join(workdir, 'summary.json')} (report.md): skipping")
-    return done
-  start, compiles = time.perf_counter(), metrics_lib.compile_stats()
-  sft_summary = sft.read_summary(workdir) or sft.read_summary(mtp.sft_workdir(config, workdir))
-  mtp_summary = mtp.read_summary(workdir)
-  if mtp_summary is None:
-    raise FileNotFoundError(f"the eval stage needs a completed MTP stage in {workdir}")
-  graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
-  r, m = config.report, config.mtp
-  modes = tuple(m.eval_modes)
-
-  # Decode speed against autoregressive decoding, same prompts, same process.
-  rows = benchmark.run_benchmark(
-      config, graphdef, params, batch_sizes=tuple(r.batch_sizes), temperatures=[m.temperature],
-      modes=list(modes), max_new=config.eval.max_new_tokens, repeats=r.repeats,
-      num_prompts=r.num_prompts,
-      adaptive_settings=(adaptive.settings_from_config(config)
-                         if config.decoding.adaptive.enabled else None))
-
-  # Acceptance against target entropy on the held-out rollouts.
-  data_dir = os.path.join(mtp.sft_workdir(config, workdir), "mtp_data")
-  heldout = mtp.self_distillation_data(  # cached by the MTP stage
-      config, graphdef, params, data_dir, "test",
-      {n: config.eval.num_examples for n in mtp._per_task(config, 1)})  # pylint: disable=protected-access
-  entropy = entropy_points(graphdef, params, heldout["sequences"],
-                           temperatures=tuple(r.entropy_temperatures),
-                           modes=("rejection", "greedy_draft"),
-                           batch_size=config.eval.batch_size,
-                           buckets=tuple(config.eval.prompt_buckets))
-  fits = {mode: linear_fit(*pts) for mode, pts in entropy.items()}
-
-  after = mtp_summary["after"]
-  main_mode = "rejection" if "rejection" in modes else modes[0]
-  summary = {
-      "eval": {"accuracy": after["online"][main_mode]["accuracy"],
-               "accuracy_mode": main_mode, "temperature": m.temperature},
-      "sft": {"accuracy": (sft_summary or {}).get("eval", {}),
-              "steps": (sft_summary or {}).get("steps"),
-              "entropy": (sft_summary or {}).get("entropy", {}),
-              **throughput(sft_summary or {})},
-      "mtp": {"loss": mtp_summary["loss"],
-              "acceptance_teacher_forced": after["teacher_forced"][main_mode]["alpha"],
-              "acceptance_teacher_forced_by_mode": {
-                  mode: after["teacher_forced"][mode]["alpha"] for mode in modes},
-              "steps": mtp_summary["steps"],
-              "before": _compact(mtp_summary.get("before"), modes),
-              **throughput(mtp_summary)},
-      "decode": {
-          "acceptance_online": {mode: after["online"][mode]["acceptance"] for mode in modes},
-          "tokens_per_target_forward": {mode: after["online"][mode]["tokens_per_target_forward"]
-                                        for mode in modes},
-          "speedup_vs_autoregressive": {str(row["batch"]): row["speedup"] for row in rows
-                                        if row["mode"] == main_mode and "k" not in row},
-          **_adaptive_summary(rows, main_mode),
-          "benchmark": rows},
-      "entropy_fit": fits,
-  }
-  rl_summary = rl_stage.read_summary(workdir)
-  if rl_summary is not None:
-    summary["rl"] = rl_section(rl_summary)
-  timing = _read_timing(workdir)
-  started_at = timing.pop("started_at", None)
-  timing["eval_s"] = time.perf_counter() - start
-  timing["total_s"] = (time.time() - started_at if started_at else
-                       sum(v for k, v in timing.items() if k.endswith("_s")))
-  timing.setdefault("compile", {})["eval"] = metrics_lib.compile_stats(since=compiles)
-  summary["timing"] = timing
-  plots = write_plots(workdir, summary, entropy)
-  metrics_lib.write_json_atomic(os.path.join(workdir, "summary.json"), summary)
-  with open(os.path.join(workdir, "report.md"), "w") as f:
-    f.write(render_report(summary, plots))
-  print(f"[eval] wrote {workdir}/summary.json, report.md and plots/ "
-        f"({timing['eval_s']:.0f}s)")
-  print(headline(summary))
-  return summary
-
-
-def _adaptive_summary(rows: list[dict], mode: str) -> dict[str, Any]:
-  """The adaptive rows of `mode` (benchmark.run_benchmark with adaptive settings): their
-  speed ratio, the iterations run with each K per batch size and the cost table; {} when
-  there are none."""
-  rows = [r for r in rows if r.get("k") == "adaptive" and r["mode"] == mode]
-  if not rows:
-    return {}
-  return {"adaptive": {
-      "speedup_vs_autoregressive": {str(r["batch"]): r["speedup"] for r in rows},
-      "k_iterations": {str(r["batch"]): r["k_iterations"] for r in rows},
-      "cost_table": [e for r in rows for e in r["cost_table"]]}}
-
-
-def rl_entropy_fit(r: dict) -> dict[str, dict[str, float]]:
-  """Per mode: depth-1 teacher-forced acceptance of each RL step's batch against the
-  policy's mean entropy on it, one point per logged step."""
-  fits = {}
-  for mode, rows in r["tf_acceptance_by_step"].items():
-    pts = [(e, a[0]) for e, a in zip(r["entropy_by_step"], rows) if a and a[0] is not None]
-    if len(pts) > 2:
-      fits[mode] = linear_fit(*np.array(pts).T)
-  return fits
-
-
-def rl_section(r: dict) -> dict:
-  """summary.json's "rl": pass@1 before/after per task (with standard errors and the paired
-  difference), steps, per-step online acceptance per depth (and teacher-forced per mode),
-  held-out evaluations by step, timing."""
-  keys = ("steps", "mtp_strategy", "rollout_engine", "rollout_mode", "pass_at_1_before",
-          "pass_at_1_after", "pass_at_1_se_before", "pass_at_1_se_after", "pass_at_1_delta",
-          "acceptance_before", "acceptance_after", "tokens_per_target_forward_before",
-          "tokens_per_target_forward_after", "logged_steps", "acceptance_by_step",
-          "tf_acceptance_by_step", "reward_by_step", "entropy_by_step", "eval_by_step",
-          "timing")
-  out = {k: r[k] for k in keys}
-  out["entropy_fit"] = rl_entropy_fit(r)
-  return out
-
-
-def _compact(ev: dict | None, modes) -> dict | None:
-  if not ev:
-    return None
-  return {"acceptance_online": {m: ev["online"][m]["acceptance"] for m in modes},
-          "tokens_per_target_forward": {m: ev["online"][m]["tokens_per_target_forward"]
-                                        for m in modes},
-          "acceptance_teacher_forced": {m: ev["teacher_forced"][m]["alpha"] for m in modes}}
-
-
-THROUGHPUT_KEYS = ("steady_step_time_s", "model_flops_per_s", "matmul_flops_per_s",
-                   "flops_utilization", "temp_bytes")
-
-
-def throughput(stage_summary: dict[str, Any]) -> dict[str, Any]:
-  """A training stage's step time, model FLOP/s, their ratio to the matmul calibration and
-  the step's temporary memory (trainer.train_loop's summary), where recorded."""
-  return {k: stage_summary[k] for k in THROUGHPUT_KEYS if stage_summary.get(k) is not None}
-
-
-def write_timing(workdir: str, timing: dict[str, float]):
-  """This invocation's seconds per stage so far, in <workdir>/timing.json (stages.run)."""
-  metrics_lib.write_json_atomic(os.path.join(workdir, TIMING_FILE), timing)
-
-
-def _read_timing(workdir: str) -> dict[str, float]:
-  return metrics_lib.read_json(os.path.join(workdir, TIMING_FILE)) or {}
+def _measured(s: dict) -> str:
+  """Which policy the figures are of, for titles: "after RL" or ""."""
+  return "after RL" if (s.get("policy") or {}).get("stage") == "rl" else ""
 
 
 def headline(s: dict) -> str:
   fmt = lambda xs: "/".join(f"{x:.3f}" for x in xs)
-  d = s["decode"]
-  lines = [f"pass@1 (T={s['eval']['temperature']:g}, speculative): "
-           + ", ".join(f"{k} {v:.3f}" for k, v in s["eval"]["accuracy"].items())]
+  d, e = s["decode"], s["eval"]
+  after = f", {_measured(s)}" if _measured(s) else ""
+  lines = [f"pass@1 (T={e['temperature']:g}, speculative{after}): "
+           + ", ".join(f"{k} {v:.3f}" for k, v in e["accuracy"].items())]
+  if e.get("accuracy_before_rl"):
+    lines.append("pass@1 before RL: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in e["accuracy_before_rl"].items()))
+  tf = teacher_forced(s)
   for mode, acc in d["acceptance_online"].items():
-    lines.append(f"{mode}: acceptance online {fmt(acc)}, teacher-forced "
-                 f"{fmt(s['mtp']['acceptance_teacher_forced_by_mode'][mode])}, "
+    lines.append(f"{mode}{after}: acceptance online {fmt(acc)}, teacher-forced "
+                 f"{fmt(tf[mode])}, "
                  f"{d['tokens_per_target_forward'][mode]:.2f} tokens/target forward")
   lines.append("speedup vs autoregressive (rejection): " + ", ".join(
       f"batch {b}: {v:.2f}x" for b, v in d["speedup_vs_autoregressive"].items()))
@@ -240,9 +50,10 @@ def headline(s: dict) -> str:
 
 def run_summary(workdir: str, s: dict | None, timing: dict[str, Any]) -> str:
   """The table a main-job run ends with (at most about 12 lines): held-out pass@1 before and
-  after RL, the drafter's acceptance per depth and tokens per target forward, the
-  speculative/autoregressive speed ratios, seconds per stage and where the report and
-  summary are. Sections whose stage did not run are left out."""
+  after RL, the drafter's acceptance per depth and tokens per target forward (before and
+  after RL when it ran), the speculative/autoregressive speed ratios of the policy the job
+  ends with, seconds per stage and where the report and summary are. Sections whose stage
+  did not run are left out."""
   rows = []
   s = s or {}
   rl = s.get("rl") or {}
@@ -257,14 +68,22 @@ def run_summary(workdir: str, s: dict | None, timing: dict[str, Any]) -> str:
   elif (s.get("eval") or {}).get("accuracy"):
     rows.append(("pass@1", ", ".join(f"{k} {v:.3f}"
                                      for k, v in s["eval"]["accuracy"].items())))
-  acc = (s.get("mtp") or {}).get("acceptance_teacher_forced")
-  if acc:
-    rows.append(("drafter acceptance", " / ".join(f"{a:.2f}" for a in acc)
-                 + " per depth (teacher-forced)"))
   decode = s.get("decode") or {}
+  pre = decode.get("before_rl") or {}
+  depths = lambda acc: " / ".join(f"{a:.2f}" for a in acc)
+  tf = teacher_forced(s)
+  mode = "rejection" if "rejection" in tf else next(iter(tf), None)
+  acc = tf[mode] if mode else (s.get("mtp") or {}).get("acceptance_teacher_forced")
+  if acc:
+    was = (pre.get("acceptance_teacher_forced") or {}).get(mode)
+    rows.append(("drafter acceptance",
+                 (f"{depths(was)} before RL -> " if was else "") + depths(acc)
+                 + " per depth (teacher-forced" + (f", {mode})" if mode else ")")))
   if decode.get("tokens_per_target_forward"):
+    was = pre.get("tokens_per_target_forward") or {}
     rows.append(("tokens / target forward", ", ".join(
-        f"{m} {v:.2f}" for m, v in decode["tokens_per_target_forward"].items())))
+        f"{m} " + (f"{was[m]:.2f} before RL -> " if m in was else "") + f"{v:.2f}"
+        for m, v in decode["tokens_per_target_forward"].items())))
   if decode.get("speedup_vs_autoregressive"):
     rows.append(("speculative / AR", ", ".join(
         f"batch {b} {v:.2f}x" for b, v in decode["speedup_vs_autoregressive"].items())))
@@ -299,7 +118,7 @@ def write_plots(workdir: str, s: dict, entropy: dict) -> dict[str, str]:
   for mode, acc in s["decode"]["acceptance_online"].items():
     depths = np.arange(1, len(acc) + 1)
     line, = ax.plot(depths, acc, marker="o", label=f"{mode} online")
-    ax.plot(depths, s["mtp"]["acceptance_teacher_forced_by_mode"][mode], ls="--",
+    ax.plot(depths, teacher_forced(s)[mode], ls="--",
             color=line.get_color(), label=f"{mode} teacher-forced")
   ax.set_xlabel("draft depth k")
   ax.set_ylabel("acceptance")
@@ -420,7 +239,8 @@ def _rl_report(r: dict, plots: dict[str, str]) -> list[str]:
   lines = ["## RL", "",
            f"GRPO for {r['steps']} steps on {r['rollout_engine']} rollouts "
            f"({r['rollout_mode']} verification), the drafter {r['mtp_strategy']}. The sections "
-           "above measure the policy and drafter that entered RL. Held-out pass@1 at the "
+           "above measure the policy RL ended with and its drafter (the MTP modules in its "
+           "final parameters), the figures before RL beside them. Held-out pass@1 at the "
            "rollout temperature, pooled over the evaluation modes (each samples the policy "
            "exactly), with standard errors over prompts; the difference is paired (the same "
            "prompts and keys before and after).", "",
@@ -452,25 +272,54 @@ def _rl_report(r: dict, plots: dict[str, str]) -> list[str]:
   return lines
 
 
+def _policy_line(s: dict) -> str:
+  """What the report measures, in one sentence."""
+  policy = s.get("policy") or {}
+  drafter = (f"its MTP modules trained with `{s['mtp']['loss']}` on the frozen SFT policy's "
+             "own rollouts")
+  if policy.get("stage") == "rl":
+    return (f"Policy: the RL stage's final parameters (step {policy['step']}), RL after SFT on "
+            f"the synthetic tasks; drafter: the MTP modules in them, {drafter} before RL "
+            f"({s['rl']['mtp_strategy']} during RL). Everything below was measured in this run "
+            "on held-out prompts; \"before RL\" is the policy and drafter that entered RL.")
+  return (f"Policy: SFT on the synthetic tasks; drafter: {drafter}. Everything below was "
+          "measured in this run on held-out prompts.")
+
+
 def render_report(s: dict, plots: dict[str, str]) -> str:
   fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)
-  d = s["decode"]
-  lines = ["# bebop_jax run report", "",
-           "Policy: SFT on the synthetic tasks; drafter: its MTP modules trained with "
-           f"`{s['mtp']['loss']}` on the frozen policy's own rollouts. Everything below was "
-           "measured in this run on held-out prompts.", "",
-           f"## Task accuracy (pass@1, T={s['eval']['temperature']:g}, speculative decoding, "
-           f"{s['eval']['accuracy_mode']} verification)", "",
-           "| task | pass@1 |", "|---|---|"]
-  lines += [f"| {k} | {v:.3f} |" for k, v in s["eval"]["accuracy"].items()]
+  d, e = s["decode"], s["eval"]
+  before_rl = e.get("accuracy_before_rl")
+  lines = ["# bebop_jax run report", "", _policy_line(s), "",
+           f"## Task accuracy (pass@1, T={e['temperature']:g}, speculative decoding, "
+           f"{e['accuracy_mode']} verification)", ""]
+  if before_rl:
+    se, se_before = e.get("accuracy_se", {}), e.get("accuracy_se_before_rl", {})
+    lines += ["| task | before RL | after RL |", "|---|---|---|"]
+    lines += [f"| {k} | {before_rl[k]:.3f} +- {se_before.get(k, float('nan')):.3f} | "
+              f"{v:.3f} +- {se.get(k, float('nan')):.3f} |" for k, v in e["accuracy"].items()]
+  else:
+    lines += ["| task | pass@1 |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in e["accuracy"].items()]
   lines += ["", "Speculative decoding samples exactly the policy's distribution, so these "
             "equal what plain sampling would give, up to sampling noise.", "",
-            "## Drafter acceptance per depth", "",
-            "| mode | online | teacher-forced | tokens / target forward |", "|---|---|---|---|"]
+            "## Drafter acceptance per depth" + (f" ({_measured(s)})" if _measured(s) else ""),
+            "", "| mode | online | teacher-forced | tokens / target forward |",
+            "|---|---|---|---|"]
+  tf = teacher_forced(s)
   for mode, acc in d["acceptance_online"].items():
-    lines.append(f"| {mode} | {fmt(acc)} | "
-                 f"{fmt(s['mtp']['acceptance_teacher_forced_by_mode'][mode])} | "
+    lines.append(f"| {mode} | {fmt(acc)} | {fmt(tf[mode])} | "
                  f"{d['tokens_per_target_forward'][mode]:.2f} |")
+  pre = d.get("before_rl")
+  if pre:
+    lines += ["", "Before RL (online: the RL stage's held-out evaluation at step 0; "
+              "teacher-forced: the MTP stage's, on the pre-RL policy's held-out rollouts):", "",
+              "| mode | online | teacher-forced | tokens / target forward |",
+              "|---|---|---|---|"]
+    for mode, acc in pre["acceptance_online"].items():
+      was = pre["acceptance_teacher_forced"].get(mode)
+      lines.append(f"| {mode} | {fmt(acc)} | {fmt(was) if was else '-'} | "
+                   f"{pre['tokens_per_target_forward'][mode]:.2f} |")
   before = s["mtp"].get("before")
   if before:
     lines += ["", "Before the MTP stage (drafter from SFT's joint cross-entropy):", "",

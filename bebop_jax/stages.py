@@ -92,9 +92,10 @@ def rl_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def eval_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Decode speed, acceptance against entropy, summary.json, plots and report.md."""
-  from bebop_jax import report  # pylint: disable=g-import-not-at-top
-  report.run(config, workdir)
+  """The policy the job ends with measured: decode speed, acceptance against entropy,
+  summary.json, plots and report.md (bebop_jax.eval_stage)."""
+  from bebop_jax import eval_stage as eval_lib  # pylint: disable=g-import-not-at-top
+  eval_lib.run(config, workdir)
 
 
 STAGE_FNS: dict[str, Callable[[ml_collections.ConfigDict, str], None]] = {
@@ -115,6 +116,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   config's `data.tokenizer` is the active tokenizer (`get_tokenizer()`) while they run.
   <workdir>/timing.json gets each stage's seconds and, under "compile", the seconds of them
   spent compiling and the persistent compilation cache's hits (metrics.compile_stats)."""
+  from bebop_jax import eval_stage as eval_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax import report  # pylint: disable=g-import-not-at-top
   timing = {"started_at": time.time(), "compile": {}}
   with tokenizer_lib.use_tokenizer(tokenizer_lib.for_data(config.data)):
@@ -126,9 +128,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
           benchmark.release_compiled()  # the next stage compiles its own functions
         timing[f"{name}_s"] = time.perf_counter() - start
         timing["compile"][name] = metrics_lib.compile_stats(since=compiles)
-        report.write_timing(workdir, timing)  # the eval stage reports the earlier stages
+        eval_lib.write_timing(workdir, timing)  # the eval stage reports the earlier stages
   if any(n in config.stages for n in ("sft", "mtp", "rl", "eval")):
-    summary = report.read_summary(workdir)
+    summary = eval_lib.read_summary(workdir)
     # A rerun that skipped finished stages keeps the times of the run that did them.
     times = (summary or {}).get("timing") or timing
     print(f"\n== {os.path.abspath(workdir)} ==\n{report.run_summary(workdir, summary, times)}")

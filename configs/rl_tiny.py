@@ -43,6 +43,7 @@ def get_config(arg: str | None = None):
   config.rl.train.checkpoint_every = 2
   config.rl.train.progress = False
   config.rl.eval.num_examples = 2
+  config.report.progress = False
   config.eval.num_examples = 2
   config.eval.batch_size = 8  # = the rollout batch: evaluation and rollouts share compiles
   config.eval.max_new_tokens = 24

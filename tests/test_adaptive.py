@@ -88,18 +88,18 @@ def test_an_unmeasured_seed_is_replaced_by_the_first_observation():
   np.testing.assert_allclose(est.alphas, [0.8 * 0.25 + 0.2, 0.5])
 
 
-def test_the_report_summarizes_adaptive_rows():
-  from bebop_jax import report  # pylint: disable=g-import-not-at-top
+def test_the_eval_stage_summarizes_adaptive_rows():
+  from bebop_jax import eval_stage  # pylint: disable=g-import-not-at-top
   table = [{"k": 0, "rows": 1, "bucket": 64, "seconds": 0.001}]
   rows = [{"batch": 1, "mode": "rejection", "speedup": 0.9},
           {"batch": 1, "mode": "rejection", "k": "adaptive", "speedup": 1.1,
            "k_iterations": {"0": 10, "2": 5}, "cost_table": table},
           {"batch": 1, "mode": "block", "k": "adaptive", "speedup": 1.2,
            "k_iterations": {"3": 4}, "cost_table": table}]
-  got = report._adaptive_summary(rows, "rejection")["adaptive"]  # pylint: disable=protected-access
+  got = eval_stage._adaptive_summary(rows, "rejection")["adaptive"]  # pylint: disable=protected-access
   assert got == {"speedup_vs_autoregressive": {"1": 1.1},
                  "k_iterations": {"1": {"0": 10, "2": 5}}, "cost_table": table}
-  assert report._adaptive_summary(rows[:1], "rejection") == {}  # pylint: disable=protected-access
+  assert eval_stage._adaptive_summary(rows[:1], "rejection") == {}  # pylint: disable=protected-access
 
 
 def test_a_segment_is_long_enough_that_its_call_overhead_stays_a_small_fraction():

@@ -60,10 +60,57 @@ def test_summary_has_the_documented_keys(job):
   for plot in ("acceptance_by_depth", "acceptance_vs_entropy", "speedup_by_batch",
                "entropy_histogram", "rl_pass_at_1", "rl_reward", "rl_acceptance"):
     assert os.path.getsize(os.path.join(workdir, "plots", f"{plot}.png")) > 1000
+  # The eval stage measured the policy the job ends with, the RL stage's final one, and
+  # shows the figures of the policy that entered RL beside it.
+  assert s["policy"] == {"stage": "rl", "step": config.rl.train.num_steps}
+  assert s["eval"]["accuracy"] == rl["pass_at_1_after"]
+  assert s["eval"]["accuracy_before_rl"] == rl["pass_at_1_before"]
+  assert s["decode"]["acceptance_online"] == rl["acceptance_after"]
+  before = s["decode"]["before_rl"]
+  assert before["acceptance_online"] == rl["acceptance_before"]
+  assert before["acceptance_teacher_forced"] == s["mtp"]["acceptance_teacher_forced_by_mode"]
+  for mode in config.rl.eval.modes:
+    assert len(s["decode"]["acceptance_teacher_forced"][mode]) == k
   report = open(os.path.join(workdir, "report.md")).read()
   assert "| rejection |" in report and "acceptance_vs_entropy.png" in report
   assert "## RL" in report and "rl_acceptance.png" in report
   assert "## Policy entropy" in report
+  assert "| task | before RL | after RL |" in report and "Before RL (online" in report
+  assert f"the RL stage's final parameters (step {config.rl.train.num_steps})" in report
+
+
+def test_the_eval_stage_measures_the_final_rl_policy(job, tmp_path):
+  """The parameters the eval stage measures are exactly those of the RL stage's final
+  checkpoint (trunk and MTP modules), not the MTP stage's policy that entered RL. The tiny
+  job's RL barely moves the policy, so a copy of its workdir gets a final checkpoint whose
+  trunk and MTP modules both differ from the MTP stage's."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from bebop_jax import eval_stage  # pylint: disable=g-import-not-at-top
+  _, job_workdir, config = job
+  steps = config.rl.train.num_steps
+  workdir = str(tmp_path / "job")
+  for stage in ("sft", "mtp", "rl"):
+    shutil.copytree(os.path.join(job_workdir, stage), os.path.join(workdir, stage))
+  final = os.path.join(checkpoint_lib.checkpoint_dir(workdir, "rl"), str(steps))
+  saved = ocp.PyTreeCheckpointer().restore(os.path.join(final, "state"))
+  saved["trunk"] = jax.tree.map(lambda x: x + 1, saved["trunk"])
+  saved["mtp"] = jax.tree.map(lambda x: x - 1, saved["mtp"])
+  shutil.rmtree(final)
+  with checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_dir(workdir, "rl")) as ckpt:
+    ckpt.save(steps, saved, force=True)
+
+  _, params, policy = eval_stage.policy_to_measure(config, workdir)
+  assert policy == {"stage": "rl", "step": steps}
+  flat = lambda tree: {"/".join(map(str, p)): np.asarray(v) for p, v in
+                       ocp.tree.to_flat_dict(checkpoint_lib.to_pure(tree)).items()}
+  want = {**flat(saved["trunk"]), **flat(saved["mtp"])}
+  got = flat(params)
+  assert set(got) == set(want)
+  for path, value in got.items():
+    np.testing.assert_array_equal(value, want[path], err_msg=path)
+  _, entered = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  assert all(not np.array_equal(v, got[p]) for p, v in flat(entered).items())
 
 
 def test_only_the_drafter_changes(job):
@@ -226,3 +273,12 @@ def test_the_run_ends_with_a_short_summary_table(tmp_path):
   # Only what ran is shown.
   assert report.run_summary(str(tmp_path), None, {"sft_s": 30.0}).splitlines()[0].startswith(
       "time")
+  # After RL the drafter's figures are the final policy's, those before RL beside them.
+  s["decode"].update(acceptance_teacher_forced={"rejection": [0.875, 0.75, 0.625]},
+                     before_rl={"acceptance_teacher_forced": {"rejection": [0.9, 0.8, 0.7]},
+                                "tokens_per_target_forward": {"rejection": 3.5}})
+  text = report.run_summary(str(tmp_path), s, {"sft_s": 60.0, "rl_s": 120.0})
+  assert len(text.splitlines()) <= 12
+  assert "0.90 / 0.80 / 0.70 before RL -> 0.88 / 0.75 / 0.62 per depth (teacher-forced, " \
+      "rejection)" in text
+  assert "rejection 3.50 before RL -> 3.25" in text

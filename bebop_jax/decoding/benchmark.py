@@ -94,8 +94,11 @@ def best_times(fns: dict, batches, repeats: int) -> dict:
 
 def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
                   repeats, num_prompts=32, split_fixed_cost=False, draft_vocabs=None,
-                  draft_lengths=None, adaptive_settings=None) -> list[dict]:
+                  draft_lengths=None, adaptive_settings=None, on_measured=None) -> list[dict]:
   """All measurements as a list of row dicts.
+
+  `on_measured`: called with no arguments after each (batch size, temperature) measurement,
+  outside the timed loops (the eval stage moves its progress bar with it).
 
   With `split_fixed_cost`, every loop also runs the same prompts with max_new_tokens=1
   (prefill and the first token: the per-call cost that speculative decoding cannot shorten)
@@ -210,6 +213,8 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
         print(format_row(row), flush=True)
       # This block's loops are not used again: free them (see release_compiled).
       release_compiled()
+      if on_measured is not None:
+        on_measured()
   return results
 
 

@@ -116,8 +116,9 @@ def read_metrics(workdir: str, stage: str | None = None) -> list[dict[str, Any]]
 class Progress:
   """A tqdm bar over steps with the steady-state step rate and ETA; compile time apart."""
 
-  def __init__(self, total: int, initial: int, desc: str, disable: bool = False):
-    self.bar = tqdm.tqdm(total=total, initial=initial, desc=desc, unit="step",
+  def __init__(self, total: int, initial: int, desc: str, disable: bool = False,
+               unit: str = "step"):
+    self.bar = tqdm.tqdm(total=total, initial=initial, desc=desc, unit=unit,
                          dynamic_ncols=True, disable=disable, mininterval=1.0)
 
   def update(self, n: int = 1, **postfix: Any):
