@@ -275,15 +275,14 @@ def _rl_report(r: dict, plots: dict[str, str]) -> list[str]:
 def _policy_line(s: dict) -> str:
   """What the report measures, in one sentence."""
   policy = s.get("policy") or {}
-  drafter = (f"its MTP modules trained with `{s['mtp']['loss']}` on the frozen SFT policy's "
-             "own rollouts")
+  trained = f"trained with `{s['mtp']['loss']}` on the frozen SFT policy's own rollouts"
   if policy.get("stage") == "rl":
     return (f"Policy: the RL stage's final parameters (step {policy['step']}), RL after SFT on "
-            f"the synthetic tasks; drafter: the MTP modules in them, {drafter} before RL "
+            f"the synthetic tasks; drafter: the MTP modules in them, {trained} before RL "
             f"({s['rl']['mtp_strategy']} during RL). Everything below was measured in this run "
             "on held-out prompts; \"before RL\" is the policy and drafter that entered RL.")
-  return (f"Policy: SFT on the synthetic tasks; drafter: {drafter}. Everything below was "
-          "measured in this run on held-out prompts.")
+  return (f"Policy: SFT on the synthetic tasks; drafter: its MTP modules {trained}. "
+          "Everything below was measured in this run on held-out prompts.")
 
 
 def render_report(s: dict, plots: dict[str, str]) -> str:
