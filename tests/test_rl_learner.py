@@ -179,19 +179,18 @@ def test_fused_head_gives_the_dense_heads_policy_loss_metrics_and_gradients(tiny
   model = learner.nnx.merge(graphdef, params)
   _, trunk, rest = learner.nnx.split(model, learner.optimizer_lib.trainable_filter("main"), ...)
 
+  def loss_grad_and_logprobs(head, trunk):
+    loss_fn = learner.make_policy_loss_fn(sampling_params, clip_low=0.2, clip_high=0.28,
+                                          aggregation="token-mean", kl_coef=0.1, is_cap=2.0,
+                                          head=head)
+    merge = lambda t: learner.nnx.merge(graphdef, t, rest)
+    lp = learner.token_logprobs(merge(trunk), batch["tokens"], batch["segment_ids"],
+                                sampling_params, batch["positions"], head=head)
+    return jax.value_and_grad(lambda t: loss_fn(merge(t), batch), has_aux=True)(trunk), lp
+
   @jax.jit
-  def run(trunk):
-    out = {}
-    for head in ("fused", "dense"):
-      loss_fn = learner.make_policy_loss_fn(sampling_params, clip_low=0.2, clip_high=0.28,
-                                            aggregation="token-mean", kl_coef=0.1,
-                                            is_cap=2.0, head=head)
-      f = lambda t: loss_fn(learner.nnx.merge(graphdef, t, rest), batch)  # pylint: disable=cell-var-from-loop
-      lp = learner.token_logprobs(learner.nnx.merge(graphdef, trunk, rest), batch["tokens"],
-                                  batch["segment_ids"], sampling_params, batch["positions"],
-                                  head=head)
-      out[head] = jax.value_and_grad(f, has_aux=True)(trunk), lp
-    return out
+  def run(trunk):  # both heads in one program
+    return {head: loss_grad_and_logprobs(head, trunk) for head in ("fused", "dense")}
 
   out = jax.device_get(run(trunk))
   ((loss_f, m_f), g_f), lp_f = out["fused"]
