@@ -107,6 +107,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.optim = optim_defaults()
   c.sft.train = loop_defaults()
   c.sft.mtp_loss_weight = 0.3  # lambda of the joint MTP cross-entropy; 0 = off
+  c.sft.head = "fused"         # bebop_jax.losses.head.HEADS: fused never makes [B, T, V]
+                               # logits (pallas_kernels.fused_head); dense: the logits
   c.sft.init_from_hf = ""      # a Hugging Face Qwen3 checkpoint directory; "" = random init
   c.sft.hf_mtp = "auto"        # its MTP modules: bebop_jax.model.hf.MTP_MODES
 
@@ -146,6 +148,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.clip_high = 0.2
   c.rl.aggregation = "token-mean"  # bebop_jax.rl.AGGREGATIONS
   c.rl.kl_coef = 0.0               # > 0: k3 KL to the frozen initial policy
+  # The learner's log-probs, entropies and reference log-probs: "fused" (no [B, T, V]
+  # logits; pallas_kernels.fused_head) or "dense". With rollout top_k / top_p truncation
+  # (or temperature 0) the learner uses dense logits whatever this says, with a warning.
+  c.rl.head = "fused"
   c.rl.epochs = 1                  # passes of learner updates over each batch ...
   c.rl.minibatches = 1             # ... each pass split into this many updates
   c.rl.packing = True              # pack each update's rollouts into full-length rows
@@ -408,6 +414,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_training(config, "sft")
   if not isinstance(config.sft.mtp_loss_weight, (int, float)) or config.sft.mtp_loss_weight < 0:
     _fail("sft.mtp_loss_weight", config.sft.mtp_loss_weight, "must be a number >= 0")
+  from bebop_jax.losses import head as head_lib  # pylint: disable=g-import-not-at-top
+  if config.sft.head not in head_lib.HEADS:
+    _fail("sft.head", config.sft.head, f"one of {head_lib.HEADS}")
   _validate_init_from_hf(config.sft, model)
   _validate_mtp(config)
   _validate_rl(config, _validate_placement(config, data_parallel))
@@ -584,6 +593,8 @@ def _validate_rl(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     _fail("rl.clip_high", c.clip_high, "must be a number >= 0")
   if not isinstance(c.kl_coef, (int, float)) or c.kl_coef < 0:
     _fail("rl.kl_coef", c.kl_coef, "must be a number >= 0 (0 = no KL term)")
+  if c.head not in mtp_losses.HEADS:
+    _fail("rl.head", c.head, f"one of {mtp_losses.HEADS}")
   if not isinstance(c.dynamic_sampling, bool):
     _fail("rl.dynamic_sampling", c.dynamic_sampling, "must be True or False")
   if not isinstance(c.packing, bool):

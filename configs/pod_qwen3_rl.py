@@ -45,9 +45,9 @@ def get_config(arg: str | None = None):
   config.rl.asynchronous.max_staleness = 1
 
   # 512 rollouts a step in 4 updates of 128 rows of up to 512 + 1024 tokens, each update 4
-  # accumulated microbatches (on 128 learner devices one row per data-parallel shard: the
-  # activations of the 8B policy's update at 4 rows a shard take ~75 GiB a device, at 1
-  # ~22 GiB, by the CPU compiler's memory analysis).
+  # accumulated microbatches (on 128 learner devices one row per data-parallel shard: the 8B
+  # policy update's temp at 4 rows a shard is 13.8 GiB a device with the fused head (17.1
+  # dense), at 1 row 5.7 GiB (7.0), by the CPU compiler's memory analysis; docs/rl.md).
   config.rl.prompts_per_batch = 64
   config.rl.group_size = 8
   config.rl.max_prompt_len = 512

@@ -8,6 +8,12 @@ Simulates --num_devices host (CPU) devices, splits them per the config's rl.plac
 program (speculative.start) from abstract state (nothing is materialised), and prints per
 program its mesh, devices, compile time and per-device memory (argument, output, temp). The
 JSON written with --out is compile_programs' result (device ids included).
+
+The learner's policy update alone, with config overrides (e.g. the dense head against the
+fused one, without gradient accumulation; docs/rl.md has the numbers):
+
+  python experiments/aot_compile_rl.py --config=configs/pod_qwen3_rl.py:8b --learner_only \
+      --set rl.head=dense --set rl.train.grad_accum_steps=1
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ def _parse(argv=None) -> argparse.Namespace:
   parser.add_argument("--completion_len", type=int, default=None,
                       help="completion budget (default: rl.rollout.max_new_tokens)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key (dotted path; the value a Python literal "
+                           "or a string), e.g. rl.head=dense; repeatable")
+  parser.add_argument("--learner_only", action="store_true",
+                      help="compile only the learner's policy update")
   args = parser.parse_args(argv)
   if args.num_devices < 2:
     parser.error(f"--num_devices={args.num_devices} is not allowed: at least 2 (one learner "
@@ -39,11 +50,30 @@ def _parse(argv=None) -> argparse.Namespace:
   return args
 
 
+def _override(config, assignment: str) -> None:
+  """config[KEY] = VALUE for --set KEY=VALUE (VALUE a Python literal, else a string)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  key, sep, text = assignment.partition("=")
+  if not sep:
+    raise SystemExit(f"--set {assignment!r} is not allowed: KEY=VALUE")
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    value = text
+  *path, last = key.split(".")
+  parent = config
+  for part in path:
+    parent = parent[part]
+  parent[last] = value
+
+
 def _table(result: dict) -> str:
   header = (f"{'program':<26} {'mesh':<16} {'devices':<10} {'compile s':>9} "
             f"{'arg GiB':>8} {'out GiB':>8} {'temp GiB':>9}")
   lines = [header, "-" * len(header)]
   for side in ("learner", "rollout"):
+    if side not in result:
+      continue
     info = result[side]
     ids = info["mesh"]["devices"]
     mesh = "x".join(f"{a}{n}" for a, n in info["mesh"]["shape"].items())
@@ -74,22 +104,31 @@ def main(argv=None) -> int:
                        f"{jax.device_count()} ({jax.default_backend()}): was jax imported "
                        "before XLA_FLAGS was set?")
   path, _, arg = args.config.partition(":")
-  config = config_lib.validate(config_lib.load_file(path, arg or None))
+  config = config_lib.load_file(path, arg or None)
+  for assignment in args.set:
+    _override(config, assignment)
+  config = config_lib.validate(config)
   start = time.perf_counter()
   result = aot.compile_programs(config, prompt_len=args.prompt_len,
-                                completion_len=args.completion_len)
-  result.update(config=args.config, total_s=time.perf_counter() - start)
-  print(f"{args.config} on {args.num_devices} simulated devices: {result['placement']}")
+                                completion_len=args.completion_len,
+                                learner_only=args.learner_only)
+  result.update(config=args.config, overrides=args.set, total_s=time.perf_counter() - start)
+  print(f"{args.config} {' '.join(args.set)} on {args.num_devices} simulated devices: "
+        f"{result['placement']}")
   print(_table(result))
   for side in ("learner", "rollout"):
+    if side not in result:
+      continue
     info = result[side]
     print(f"{side}: state {info['state_bytes'] / GIB:.2f} GiB, per device "
           f"{info['state_bytes_per_device'] / GIB:.3f} GiB; "
-          + ", ".join(f"{k} {info[k]}" for k in ("rows", "length", "prompt_len",
-                                                 "max_new_tokens", "cache_length")
+          + ", ".join(f"{k} {info[k]}" for k in ("rows", "length", "head", "grad_accum_steps",
+                                                 "prompt_len", "max_new_tokens",
+                                                 "cache_length")
                       if k in info))
-  print(f"devices disjoint: learner {len(result['learner']['input_devices'])}, rollout "
-        f"{len(result['rollout']['input_devices'])}; total {result['total_s']:.1f}s")
+  if "rollout" in result:
+    print(f"devices disjoint: learner {len(result['learner']['input_devices'])}, rollout "
+          f"{len(result['rollout']['input_devices'])}; total {result['total_s']:.1f}s")
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

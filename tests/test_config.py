@@ -30,6 +30,9 @@ def test_base_and_experiment_configs_validate():
     ("data.packing", 1, "config.data.packing=1 is not allowed: must be True or False"),
     ("data.canonical_examples", -1,
      "config.data.canonical_examples=-1 is not allowed: must be an int >= 0"),
+    ("sft.head", "chunked", "config.sft.head='chunked' is not allowed: one of ('fused', "
+     "'dense')"),
+    ("rl.head", "sparse", "config.rl.head='sparse' is not allowed: one of ('fused', 'dense')"),
     ("rl.group_size", 1, "config.rl.group_size=1 is not allowed: must be >= 2 with "
      "rl.advantage='grpo'"),
     ("rl.advantage", "ppo", "config.rl.advantage='ppo' is not allowed: one of ('grpo', "

@@ -89,7 +89,8 @@ def reference_results():
 def test_float32_matches_reference(implementation, case, reference_results):
   want_values, want_grads = reference_results[case]
   values, grads = _outputs_and_grads(implementation, case)
-  expected = {"entropy", "logprob", "ce"} | ({"tv", "kl"} if case != "no_target" else set())
+  expected = {"entropy", "max_logprob", "logprob", "ce"} | (
+      {"tv", "kl"} if case != "no_target" else set())
   assert set(values) == set(want_values) == expected
   for name in expected:
     value, want = values[name], want_values[name]
@@ -121,10 +122,32 @@ def test_reference_matches_a_float64_numpy_truth():
   with np.errstate(invalid="ignore"):
     want = dict(tv=0.5 * np.abs(p - q).sum(-1),
                 kl=np.where(p > 0, p * (log_p - log_q), 0.0).sum(-1),
-                entropy=-np.where(q > 0, q * log_q, 0.0).sum(-1),
+                entropy=-np.where(q > 0, q * log_q, 0.0).sum(-1), max_logprob=log_q.max(-1),
                 ce=-np.take_along_axis(log_q, np.asarray(kwargs["tokens"])[..., None], -1)[..., 0])
   for name, value in want.items():
     np.testing.assert_allclose(out[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", api.IMPLEMENTATIONS)
+def test_logprob_at_least_max_logprob_is_exactly_argmax(implementation):
+  """Accuracy without logits: a row's token is the argmax of its logits exactly when
+  logprob >= max_logprob (half the rows hold their argmax, half their runner-up), with -inf
+  columns, a ragged last chunk and a mode in a later chunk than the first."""
+  kwargs = _case_arrays("target_hidden")
+  draft, head = _draft_and_head("target_hidden")
+  logits = np.asarray(jnp.einsum("knd,dv->knv", draft, head)) + np.asarray(kwargs["bias"])
+  order = np.argsort(-logits, axis=-1)
+  pick = np.arange(N) % 2  # 0: the argmax, 1: the runner-up
+  kwargs["tokens"] = jnp.asarray(np.take_along_axis(order, np.broadcast_to(
+      pick[None, :, None], (K, N, 1)), -1)[..., 0])
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(pallas_tpu, "DEFAULT_BLOCK_ROWS", 8)
+    out = api.fused_head(draft, head, implementation=implementation,
+                         chunk_size=_chunk_for(implementation), interpret=True, **kwargs)
+  np.testing.assert_array_equal(np.asarray(out["logprob"] >= out["max_logprob"]),
+                                np.broadcast_to(pick == 0, (K, N)))
+  np.testing.assert_allclose(out["max_logprob"], np.max(jax.nn.log_softmax(logits), -1),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_bfloat16_blockwise_matches_reference_loosely():

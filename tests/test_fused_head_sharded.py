@@ -22,7 +22,7 @@ from pallas_kernels.fused_head import sharded as sharded_lib
 MESH = ((2, 4), ("data", "tensor"))
 K, B, T, D, V = 2, 2, 4, 16, 37  # V = 37 is padded to 40 over 4 vocabulary shards
 MASKED = [3] + list(range(10, 20)) + [36]  # columns [10, 20): all of shard 1's real columns
-OUTPUTS = ("tv", "kl", "ce", "entropy")
+OUTPUTS = ("tv", "kl", "ce", "entropy", "max_logprob")
 
 
 def _arrays(target: str, seed: int = 0) -> dict:

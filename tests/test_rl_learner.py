@@ -5,6 +5,7 @@ interrupt mode, and the weight copies the rollout side keeps alive."""
 
 import contextlib
 import gc
+import logging
 import weakref
 
 import jax
@@ -151,6 +152,94 @@ def test_row_buckets_split_over_accumulation_and_devices():
   assert learner.row_buckets(24, 1, 1) == (4, 8, 12, 16, 20, 24)
   with pytest.raises(ValueError, match="does not split"):
     learner.row_buckets(20, 1, 3)
+
+
+# --------------------------------------------------------------- fused or dense head
+
+
+def test_fused_head_gives_the_dense_heads_policy_loss_metrics_and_gradients(tiny_policy):
+  """The real policy loss (rl.head) on a packed update batch with the decoupled objective
+  and the k3 KL to a reference, at temperature 0.7: the fused head (no [B, T, V] logits)
+  against the dense one, in the loss, every metric (the entropy included) and every trunk
+  parameter's gradient; and the log-probs of the reference / proximal forward."""
+  graphdef, params = tiny_policy
+  rollouts = _rollouts(8)
+  lengths = rollouts.prompt_lengths + rollouts.lengths
+  full = learner.learner_batch(rollouts, np.asarray(algorithms.advantages(rollouts.rewards, G)),
+                               64)
+  rng = np.random.default_rng(0)
+  near = lambda: np.where(full["mask"] > 0, full["behaviour_logprobs"] +
+                          0.1 * rng.normal(size=full["mask"].shape), 0.0).astype(np.float32)
+  full.update(ref_logprobs=near(), proximal_logprobs=near())
+  rl = _rl_config(prompts_per_batch=2, kl_coef=0.1, **{"rollout.temperature": 0.7})
+  batch = learner.update_batches(rl, full, lengths, seq_len=64,
+                                 rows_buckets=learner.row_buckets(8))[0]
+  assert batch["segment_ids"].max() > 1  # packed
+  sampling_params = learner.sampling.SamplingParams(0.7, 0, 1.0)
+  model = learner.nnx.merge(graphdef, params)
+  _, trunk, rest = learner.nnx.split(model, learner.optimizer_lib.trainable_filter("main"), ...)
+
+  def loss_grad_and_logprobs(head, trunk):
+    loss_fn = learner.make_policy_loss_fn(sampling_params, clip_low=0.2, clip_high=0.28,
+                                          aggregation="token-mean", kl_coef=0.1, is_cap=2.0,
+                                          head=head)
+    merge = lambda t: learner.nnx.merge(graphdef, t, rest)
+    lp = learner.token_logprobs(merge(trunk), batch["tokens"], batch["segment_ids"],
+                                sampling_params, batch["positions"], head=head)
+    return jax.value_and_grad(lambda t: loss_fn(merge(t), batch), has_aux=True)(trunk), lp
+
+  @jax.jit
+  def run(trunk):  # both heads in one program
+    return {head: loss_grad_and_logprobs(head, trunk) for head in ("fused", "dense")}
+
+  out = jax.device_get(run(trunk))
+  ((loss_f, m_f), g_f), lp_f = out["fused"]
+  ((loss_d, m_d), g_d), lp_d = out["dense"]
+  m = batch["mask"] > 0
+  np.testing.assert_allclose(lp_f[m], lp_d[m], rtol=1e-5, atol=1e-6)
+  assert abs(float(loss_d)) > 1e-4 and m_d["kl"] > 0 and m_d["entropy"] > 0
+  np.testing.assert_allclose(loss_f, loss_d, rtol=1e-5)
+  assert set(m_f) == set(m_d) and "entropy" in m_d
+  for name in m_d:
+    np.testing.assert_allclose(m_f[name], m_d[name], rtol=1e-5, atol=1e-7, err_msg=name)
+  # Entries are float32 sums over the batch with cancellation: the absolute tolerance is
+  # relative to the tensor's scale (the embedding gradient reaches ~20 here).
+  flat_f = dict(jax.tree_util.tree_leaves_with_path(g_f))
+  for path, g in jax.tree_util.tree_leaves_with_path(g_d):
+    np.testing.assert_allclose(flat_f[path], g, rtol=1e-4, atol=1e-6 * max(np.abs(g).max(), 1),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=5), dict(top_p=0.9)], ids=str)
+def test_top_k_top_p_fall_back_to_dense_with_one_warning(tiny_policy, truncation, monkeypatch,
+                                                         caplog):
+  """An exact top-k / top-p truncation needs a row's every logit: rl.head "fused" then
+  gives the truncated distribution's log-probs by the dense head (-inf outside the kept
+  set), with one warning naming the config keys however many programs trace it."""
+  graphdef, params = tiny_policy
+  monkeypatch.setattr(learner, "_warned_truncation", False)
+  sampling_params = learner.sampling.SamplingParams(1.0, truncation.get("top_k", 0),
+                                                    truncation.get("top_p", 1.0))
+  assert learner.truncates(sampling_params, CONFIG.vocab_size)
+  assert not learner.truncates(learner.sampling.SamplingParams(1.0, CONFIG.vocab_size, 1.0),
+                               CONFIG.vocab_size)
+  tokens = np.random.default_rng(0).integers(3, 100, (2, 16)).astype(np.int32)
+  segments = np.ones_like(tokens)
+  with caplog.at_level(logging.WARNING):
+    assert learner.resolve_head("fused", sampling_params, CONFIG.vocab_size) == "dense"
+    fused = learner.make_logprobs_fn(graphdef, sampling_params, head="fused")(
+        params, {}, tokens, segments)
+    loss_fn = learner.make_policy_loss_fn(sampling_params, clip_low=0.2, clip_high=0.2,
+                                          aggregation="token-mean", head="fused")
+    batch = learner.example_batch(_rl_config(), 2, 16)
+    jax.eval_shape(lambda p: loss_fn(learner.nnx.merge(graphdef, p), batch), params)
+  dense = learner.make_logprobs_fn(graphdef, sampling_params, head="dense")(
+      params, {}, tokens, segments)
+  np.testing.assert_array_equal(np.asarray(fused), np.asarray(dense))
+  assert np.isneginf(np.asarray(fused)).any()  # tokens outside the kept set
+  warnings = [r.getMessage() for r in caplog.records if "rl.rollout.top_k" in r.getMessage()]
+  assert len(warnings) == 1, warnings
+  assert "rl.head='fused'" in warnings[0] and "rl.rollout.top_p" in warnings[0]
 
 
 # --------------------------------------------------------------- truncated completions

@@ -4,10 +4,13 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from bebop_jax import config as config_lib
+from bebop_jax.model import model as policy_lib
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import sft
@@ -42,6 +45,42 @@ def _restore_trainable(workdir, step):
   path = os.path.join(workdir, "sft", "checkpoints", str(step))
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   return ocp.PyTreeCheckpointer().restore(os.path.join(path, "state"))
+
+
+def test_fused_head_gives_the_dense_heads_loss_metrics_and_gradients():
+  """The SFT loss_fn (sft.head) with the joint MTP CE, on packed rows with padding and
+  prompt positions: the fused head (no [B, T, V] or [K, B, T, V] logits) against the dense
+  one, in the loss, every metric (accuracy included) and every parameter's gradient."""
+  config = config_lib.base_config()
+  assert config.sft.head == "fused" and config.sft.mtp_loss_weight > 0
+  graphdef, state = policy_lib.init(policy_lib.ModelConfig.from_dict(config.model.to_dict()),
+                                    seed=0)
+  rng = np.random.default_rng(0)
+  segment_ids = np.array([[1] * 9 + [2] * 7, [1] * 12 + [0] * 4], np.int32)
+  positions = np.concatenate([np.arange(9), np.arange(7), np.arange(16)]).reshape(2, 16)
+  batch = {"tokens": jnp.asarray(rng.integers(3, 100, (2, 16)) * (segment_ids > 0), jnp.int32),
+           "positions": jnp.asarray(positions * (segment_ids > 0), jnp.int32),
+           "segment_ids": jnp.asarray(segment_ids),
+           "loss_mask": jnp.asarray((rng.random((2, 16)) < 0.7) & (segment_ids > 0), jnp.int32)}
+
+  def run(head):
+    config.sft.head = head
+    loss_fn = sft.make_loss_fn(config)
+    f = lambda s: loss_fn(nnx.merge(graphdef, s), batch)
+    return jax.device_get(jax.jit(jax.value_and_grad(f, has_aux=True))(state))
+
+  (loss_f, m_f), g_f = run("fused")
+  (loss_d, m_d), g_d = run("dense")
+  assert set(m_f) == set(m_d) and {"accuracy", "mtp_ce_3", "mtp_alpha_3"} <= set(m_d)
+  np.testing.assert_allclose(loss_f, loss_d, rtol=1e-5)
+  for name in m_d:
+    np.testing.assert_allclose(m_f[name], m_d[name], rtol=1e-5, atol=1e-7, err_msg=name)
+  assert 0 < m_d["num_targets"] and 0 <= m_d["accuracy"] <= 1
+  flat_f = dict(jax.tree_util.tree_leaves_with_path(g_f))
+  for path, g in jax.tree_util.tree_leaves_with_path(g_d):
+    np.testing.assert_allclose(flat_f[path], g, rtol=1e-4, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+  assert max(np.abs(g).max() for g in flat_f.values()) > 0
 
 
 def test_straight_run_outputs(straight_run):

@@ -28,13 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from bebop_jax import sharding
-from bebop_jax.losses.lm import shift_left_axis1, token_cross_entropy
+from bebop_jax.losses.head import HEADS  # pylint: disable=unused-import  # config.mtp.head
+from bebop_jax.losses.head import shift_left_axis1, token_cross_entropy
 from bebop_jax.model.model import shift_left
 from pallas_kernels.fused_head import fused_head
 from pallas_kernels.tv_loss import tv_distance
 
 LOSSES = ("ce", "kl", "tv", "e2e_tv")
-HEADS = ("fused", "dense")  # how the losses reach the vocabulary (`mtp_loss`)
 LOGITS_AXES = (None, "batch", "length", "vocab")  # the chain's [K, B, T, V] logits
 
 

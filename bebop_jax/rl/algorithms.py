@@ -142,7 +142,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
                 is_cap: float | None = None, is_mode: str = "cap",
                 ref_logprobs: jax.Array | None = None,
                 kl_coef: float = 0.0, token_weights: jax.Array | None = None,
-                norm: float | None = None) -> tuple[jax.Array, dict[str, Any]]:
+                norm: float | None = None, entropy: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, Any]]:
   """(loss, metrics) of the clipped policy-gradient objective; see the module docstring.
 
   Args:
@@ -155,6 +156,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
       computes them over a whole batch, so gradient accumulation over microbatches sums to
       the full-batch loss).
     norm: seq-mean-token-sum-norm's constant (aggregation_weights).
+    entropy: optional [B, T] entropy of the distribution each token was sampled from under
+      the parameters being trained (a metric only).
   Returns:
     loss (scalar) and metrics: clip_frac_low / clip_frac_high (fraction of tokens whose
     clipped branch is active: rho < 1 - clip_low with A < 0, rho > 1 + clip_high with
@@ -162,7 +165,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
     behaviour policy against the current one), logprob_diff_mean / logprob_diff_max
     (|logprobs - behaviour_logprobs|), outside_support_frac, tokens, and with
     proximal_logprobs is_weight_mean, is_weight_max (before the cap) and is_capped_frac
-    (the fraction of tokens with w > is_cap: capped, or masked with is_mode "mask").
+    (the fraction of tokens with w > is_cap: capped, or masked with is_mode "mask"), and
+    with `entropy` its mean over the masked tokens.
     Means are over the tokens each term covers (module docstring); an empty batch gives 0.
   """
   if not 0 <= clip_low < 1:
@@ -226,4 +230,6 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
       logprob_diff_mean=mean(diff), logprob_diff_max=jnp.max(diff * s),
       outside_support_frac=jnp.sum(m - s) / jnp.maximum(jnp.sum(m), 1.0),
       tokens=jnp.sum(m))
+  if entropy is not None:
+    metrics["entropy"] = jnp.sum(sg(entropy) * m) / jnp.maximum(jnp.sum(m), 1.0)
   return loss, metrics

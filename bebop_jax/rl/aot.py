@@ -92,7 +92,8 @@ def compile_learner(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   loss_fn = learner_lib.make_policy_loss_fn(
       sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k, rl.rollout.top_p),
       clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation=rl.aggregation,
-      kl_coef=rl.kl_coef, is_cap=float(asynchronous.is_cap), is_mode=asynchronous.is_mode)
+      kl_coef=rl.kl_coef, is_cap=float(asynchronous.is_cap), is_mode=asynchronous.is_mode,
+      head=rl.head)
   step_fn = trainer.make_train_step(graphdef, loss_fn, tx, schedule, rl.train.grad_accum_steps)
   batch = learner_lib.example_batch(
       rl, rows, length,
@@ -105,7 +106,8 @@ def compile_learner(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   tree = (trunk, mtp, opt_state)
   # The update donates (and updates in place) the trunk and its optimizer state; the frozen
   # MTP modules are an argument the policy loss never reads (jit drops it).
-  info = {"program": "policy_update", "rows": rows, "length": length,
+  info = {"program": "policy_update", "rows": rows, "length": length, "head": rl.head,
+          "grad_accum_steps": rl.train.grad_accum_steps,
           "batch_keys": sorted(batch),
           "state_bytes": _tree_bytes(tree),
           "state_bytes_per_device": _shard_bytes(
@@ -166,14 +168,16 @@ def compile_rollout(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
 
 
 def compile_programs(config: Any, devices: Sequence[Any] | None = None, *,
-                     prompt_len: int | None = None, completion_len: int | None = None
-                     ) -> dict[str, Any]:
+                     prompt_len: int | None = None, completion_len: int | None = None,
+                     learner_only: bool = False) -> dict[str, Any]:
   """Compiles the learner's policy update and the rollout program of a split `config` over
   `devices` (default `jax.devices()`) from abstract state; see the module docstring.
 
   prompt_len: the rollout's prompt bucket (default: the smallest of config.eval.prompt_buckets
     holding rl.max_prompt_len); completion_len: the completion budget (default
     rl.rollout.max_new_tokens). The learner's length is rl.max_prompt_len + completion_len.
+
+  learner_only: compile the policy update only (no "rollout" entry, no disjointness check).
 
   Returns {"placement": description, "num_devices": n, "learner": {...}, "rollout": {...}},
   each program with compile_s, memory (per-device bytes: argument / output / temp / alias /
@@ -206,6 +210,9 @@ def compile_programs(config: Any, devices: Sequence[Any] | None = None, *,
   learner_info.update(compile_s=learner_c.compile_seconds, memory=learner_c.memory,
                       mesh=_mesh_info(placement.learner_mesh),
                       input_devices=sorted(input_devices(learner_c.fn)))
+  if learner_only:
+    return {"placement": placement.describe(), "num_devices": len(devices),
+            "learner": learner_info}
   rollout_c, rollout_info = compile_rollout(config, graphdef, abstract, placement,
                                             prompt_len=prompt_len,
                                             completion_len=completion_len)

@@ -36,11 +36,14 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from bebop_jax import sharding
 from bebop_jax.decoding import batching, sampling
+from bebop_jax.losses import head as head_lib
 from bebop_jax.losses import mtp as mtp_losses
+from bebop_jax.model.model import shift_left
 from bebop_jax.rl import algorithms
 from bebop_jax.rollout import Rollouts
 from bebop_jax.train import flops as flops_lib
@@ -148,43 +151,99 @@ def example_batch(rl: Any, rows: int, length: int, *, proximal: bool = False
           **{k: np.zeros((rows, length), np.float32) for k in floats}}
 
 
+_warned_truncation = False  # the fused head's fallback to dense is logged once a process
+
+
+def truncates(params: sampling.SamplingParams, vocab_size: int) -> bool:
+  """Whether the sampling distribution is a truncation of softmax(logits / temperature):
+  greedy, or top-k below the vocabulary, or top-p below 1 (as sampling.sampling_logprobs)."""
+  return params.greedy or 0 < params.top_k < vocab_size or params.top_p < 1.0
+
+
+def resolve_head(head: str, params: sampling.SamplingParams, vocab_size: int) -> str:
+  """The head the learner's log-probs use: `head` (losses.head.HEADS), except "dense" when
+  the sampling distribution is truncated (an exact top-k / top-p needs every logit of a row
+  at once, which vocabulary chunks do not give cheaply); that fallback logs one warning."""
+  global _warned_truncation
+  head_lib.check_head(head, "rl.head")
+  if head != "fused" or not truncates(params, vocab_size):
+    return head
+  if not _warned_truncation:
+    _warned_truncation = True
+    logging.warning(
+        "rl.head='fused' with a truncated sampling distribution (rl.rollout.top_k=%d, "
+        "rl.rollout.top_p=%s, rl.rollout.temperature=%s): the learner's log-probs must be "
+        "those of the truncated distribution, which the fused head cannot give; using dense "
+        "[B, T, V] logits for the policy, proximal and reference log-probs instead.",
+        params.top_k, params.top_p, params.temperature)
+  return "dense"
+
+
+def token_logprobs_and_entropy(model, tokens: jax.Array, segment_ids: jax.Array,
+                               params: sampling.SamplingParams,
+                               positions: jax.Array | None = None, *, head: str = "fused"
+                               ) -> tuple[jax.Array, jax.Array]:
+  """([B, T] log-prob of tokens[:, t] given the tokens before it in its segment, [B, T] the
+  entropy of the distribution it was drawn from) under the sampling distribution
+  (temperature, top-k, top-p as in decoding); both 0 at t = 0. Trunk only (no MTP chain).
+  `positions` restart per segment in packed rows (default arange). `head` (resolve_head):
+  "fused" streams the head over vocabulary chunks (no [B, T, V] logits), "dense" reduces the
+  logits."""
+  head = resolve_head(head, params, model.config.vocab_size)
+  out = model(tokens, positions, segment_ids, num_draft_steps=0, logits=head == "dense")
+  if head == "dense":
+    logp = sampling.sampling_logprobs(out["logits"][:, :-1], params)
+    lp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(p * jnp.where(p > 0, logp, 0.0), axis=-1)
+  else:
+    # Every position (the last one scores a padding token): slicing [B, T, E] to T - 1
+    # positions would copy it and break the length axis's layout.
+    terms = head_lib.next_token_terms(out, shift_left(tokens, 1),
+                                      temperature=params.temperature)
+    lp, entropy = terms["logprob"][:, :-1], terms["entropy"][:, :-1]
+  pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+  return pad(lp), pad(entropy)
+
+
 def token_logprobs(model, tokens: jax.Array, segment_ids: jax.Array,
-                   params: sampling.SamplingParams, positions: jax.Array | None = None
-                   ) -> jax.Array:
-  """[B, T] log-prob of tokens[:, t] given the tokens before it in its segment under the
-  sampling distribution (temperature, top-k, top-p as in decoding); 0 at t = 0. Trunk only
-  (no MTP chain). `positions` restart per segment in packed rows (default arange)."""
-  out = model(tokens, positions, segment_ids, num_draft_steps=0)
-  logp = sampling.sampling_logprobs(out["logits"][:, :-1], params)
-  lp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-  return jnp.pad(lp, ((0, 0), (1, 0)))
+                   params: sampling.SamplingParams, positions: jax.Array | None = None, *,
+                   head: str = "fused") -> jax.Array:
+  """[B, T] log-prob of tokens[:, t] (token_logprobs_and_entropy)."""
+  return token_logprobs_and_entropy(model, tokens, segment_ids, params, positions,
+                                    head=head)[0]
 
 
-def make_logprobs_fn(graphdef: nnx.GraphDef, params: sampling.SamplingParams):
+def make_logprobs_fn(graphdef: nnx.GraphDef, params: sampling.SamplingParams, *,
+                     head: str = "fused"):
   """jit((trainable, frozen, tokens, segment_ids) -> token log-probs [B, T])."""
+  head_lib.check_head(head, "rl.head")
 
   @jax.jit
   def logprobs_fn(trainable, frozen, tokens, segment_ids):
-    return token_logprobs(nnx.merge(graphdef, trainable, frozen), tokens, segment_ids, params)
+    return token_logprobs(nnx.merge(graphdef, trainable, frozen), tokens, segment_ids, params,
+                          head=head)
 
   return logprobs_fn
 
 
 def make_policy_loss_fn(params: sampling.SamplingParams, *, clip_low: float, clip_high: float,
                         aggregation: str, kl_coef: float = 0.0, is_cap: float | None = None,
-                        is_mode: str = "cap"):
+                        is_mode: str = "cap", head: str = "fused"):
   """The RL loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step; with
-  `proximal_logprobs` in the batch, the decoupled objective (is_cap, is_mode)."""
+  `proximal_logprobs` in the batch, the decoupled objective (is_cap, is_mode). `head`
+  (rl.head): how the log-probs reach the vocabulary (token_logprobs_and_entropy)."""
+  head_lib.check_head(head, "rl.head")
 
   def loss_fn(model, batch) -> tuple[jax.Array, dict[str, Any]]:
-    lp = token_logprobs(model, batch["tokens"], batch["segment_ids"], params,
-                        batch["positions"])
+    lp, entropy = token_logprobs_and_entropy(model, batch["tokens"], batch["segment_ids"],
+                                             params, batch["positions"], head=head)
     loss, metrics = algorithms.policy_loss(
         lp, batch["behaviour_logprobs"], batch["advantages"], batch["mask"],
         clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
         proximal_logprobs=batch.get("proximal_logprobs"), is_cap=is_cap, is_mode=is_mode,
         ref_logprobs=batch.get("ref_logprobs"), kl_coef=kl_coef,
-        token_weights=batch["token_weights"])
+        token_weights=batch["token_weights"], entropy=entropy)
     return loss, dict(metrics, loss=loss)
 
   return loss_fn
@@ -274,7 +333,9 @@ class Learner:
 
   `rl` is the validated `config.rl` section; `params` the policy's parameters (trunk and MTP
   modules); `seq_len` the longest rollout (max prompt + completion budget); `mtp_head`
-  config.mtp.head (the drafter update's losses, losses.mtp.HEADS).
+  config.mtp.head (the drafter update's losses, losses.mtp.HEADS). The policy update, the
+  proximal and the reference log-probs use rl.head (`resolve_head`: dense under top-k /
+  top-p truncation).
   """
 
   def __init__(self, rl: Any, graphdef: nnx.GraphDef, params: nnx.State, *, mesh, rules,
@@ -306,7 +367,8 @@ class Learner:
     self.trunk, self.mtp = state.trainable, state.frozen
     self.trunk_opt, self.updates = state.opt_state, state.step
     self.ref_trunk = jax.tree.map(jnp.copy, self.trunk) if rl.kl_coef > 0 else None
-    self.ref_fn = (make_logprobs_fn(self.graphdef, self.sampling)
+    self.head = resolve_head(rl.head, self.sampling, self.model_config.vocab_size)
+    self.ref_fn = (make_logprobs_fn(self.graphdef, self.sampling, head=self.head)
                    if self.ref_trunk is not None else None)
     asynchronous = rl.asynchronous
     # The decoupled objective for stale batches: proximal log-probs recomputed under the
@@ -316,9 +378,10 @@ class Learner:
     self._policy_fn = trainer.make_train_step(self.graphdef, make_policy_loss_fn(
         self.sampling, clip_low=rl.clip_low, clip_high=rl.clip_high,
         aggregation=rl.aggregation, kl_coef=rl.kl_coef, is_cap=self.is_cap,
-        is_mode=asynchronous.is_mode), self.tx, schedule, rl.train.grad_accum_steps)
-    self.logprobs_fn = (make_logprobs_fn(self.graphdef, self.sampling) if self.decoupled
-                        else None)
+        is_mode=asynchronous.is_mode, head=self.head), self.tx, schedule,
+        rl.train.grad_accum_steps)
+    self.logprobs_fn = (make_logprobs_fn(self.graphdef, self.sampling, head=self.head)
+                        if self.decoupled else None)
     self._compiled: dict[tuple[str, int], tuple[trainer.CompiledStep, Any]] = {}
     self.mtp_opt = self.mtp_updates = self.buffer = None
     if self.strategy != "frozen":

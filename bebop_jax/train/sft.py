@@ -95,12 +95,14 @@ def mtp_depths(config: ml_collections.ConfigDict) -> int:
 
 
 def make_loss_fn(config: ml_collections.ConfigDict):
-  """The SFT loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step."""
+  """The SFT loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step; with
+  sft.head "fused" no [B, T, V] logits exist (losses/head.py)."""
   k_steps, weight = mtp_depths(config), config.sft.mtp_loss_weight
+  dense = config.sft.head == "dense"
 
   def loss_fn(model, batch):
     out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                num_draft_steps=k_steps)
+                num_draft_steps=k_steps, logits=dense)
     return lm.sft_loss(out, batch["tokens"], batch["loss_mask"], weight)
 
   return loss_fn

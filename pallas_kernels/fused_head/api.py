@@ -2,6 +2,7 @@
 
     out = fused_head(draft_hidden, head, target_hidden=target_hidden, tokens=tokens)
     out["tv"], out["kl"], out["ce"], out["logprob"], out["entropy"]      # [...] float32
+    out["max_logprob"]                        # max_v log q_v: accuracy = logprob >= it
     ce = cross_entropy(hidden, head, tokens)                            # SFT
     logprob, entropy = token_logprob_and_entropy(hidden, head, tokens)  # RL learner
 
@@ -128,11 +129,14 @@ def fused_head(draft_hidden: jax.Array, head: jax.Array, *,
       [..., V] logits (`sharded`); None: one program over the whole arrays.
 
   Returns:
-    A dict of [...] float32 arrays (the draft's leading shape): "entropy" H(q) always;
-    "logprob" = log q[token] and "ce" = -logprob with tokens; "tv" = 1/2 sum |p - q| and
-    "kl" = KL(p || q) with a target. Gradients flow to draft_hidden and head (custom VJP; the
-    head's gradient is skipped when the head is not differentiated, and an output without a
-    cotangent adds nothing to the backward).
+    A dict of [...] float32 arrays (the draft's leading shape): "entropy" H(q) and
+    "max_logprob" = max_v log q_v always; "logprob" = log q[token] and "ce" = -logprob with
+    tokens; "tv" = 1/2 sum |p - q| and "kl" = KL(p || q) with a target. Gradients flow to
+    draft_hidden and head (custom VJP; the head's gradient is skipped when the head is not
+    differentiated, and an output without a cotangent adds nothing to the backward), except
+    from max_logprob, a constant (stop-gradient). `logprob >= max_logprob` says the token is
+    a mode of q (an argmax; at a tie, any of the tied tokens): both subtract the same
+    log-sum-exp from the same float32 logit, so the comparison is exact.
 
   To compare depth k at row i with target row i + k + 1 (MTP), shift the draft hidden states
   (and tokens) of depth k right by k + 1 rows instead of stacking shifted targets: the
@@ -182,6 +186,7 @@ def fused_head(draft_hidden: jax.Array, head: jax.Array, *,
     outputs = {name: value.reshape(lead) for name, value in outputs.items()}
   if "logprob" in outputs:
     outputs["ce"] = -outputs["logprob"]
+  outputs["max_logprob"] = jax.lax.stop_gradient(outputs["max_logprob"])
   return outputs
 
 

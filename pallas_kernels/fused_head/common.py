@@ -17,7 +17,9 @@ and the hidden-state and head gradients are dh = sum_chunks g W_chunk^T, dW_chun
 
 Pass 1 (`logsumexp_pass`) folds each chunk of logits into a running (max m, sum s = sum
 exp(z - m), u = sum exp(z - m) (z - m)) per row: lse = m + log s and H = log s - u / s
-(shift-invariant, no cancellation against large logits). Pass 2 (`overlap_pass`) needs the
+(shift-invariant, no cancellation against large logits); m itself gives max_logprob =
+m - lse_q = max_v log q_v, the log-probability of the mode (no gradient: an accuracy test
+`logprob >= max_logprob`). Pass 2 (`overlap_pass`) needs the
 final normalisers: alpha, S and KL. Both passes and the gradient pass recompute each chunk's
 logits from h and W; only per-row residuals are kept.
 
@@ -60,6 +62,7 @@ class FirstPass(NamedTuple):
   entropy: jax.Array  # [K, N]
   token_logit: jax.Array | None  # [K, N] z_tok (0 where tok is not among the columns)
   lse_p: jax.Array | None  # [N]
+  max_logit: jax.Array  # [K, N] max_v z_v (over the columns at hand)
 
 
 class Overlap(NamedTuple):
@@ -208,8 +211,9 @@ def forward(module, x: HeadInputs, *, vocab_axes: tuple[str, ...] = (), **kw):
   """(outputs, residuals) from `module`'s passes; `vocab_axes` name the mesh axes that
   split the vocabulary (inside shard_map), whose per-shard sums are combined."""
   first = module.logsumexp_pass(x, **kw)
-  lse_q, entropy, token_logit, lse_p = first
+  lse_q, entropy, token_logit, lse_p, max_logit = first
   if vocab_axes:
+    max_logit = jax.lax.pmax(max_logit, vocab_axes)
     global_lse_q = combine_logsumexp(lse_q, vocab_axes)
     entropy = combine_entropy(lse_q, entropy, global_lse_q, vocab_axes)
     lse_q = global_lse_q
@@ -217,7 +221,9 @@ def forward(module, x: HeadInputs, *, vocab_axes: tuple[str, ...] = (), **kw):
       token_logit = jax.lax.psum(token_logit, vocab_axes)
     if lse_p is not None:
       lse_p = combine_logsumexp(lse_p, vocab_axes)
-  outputs = {"entropy": entropy}
+  # The same subtraction as logprob's: logprob == max_logprob exactly when the token's logit
+  # is the largest (a token at the mode; a constant, its cotangent is ignored).
+  outputs = {"entropy": entropy, "max_logprob": max_logit - lse_q}
   if x.tokens is not None:
     outputs["logprob"] = token_logit - lse_q
   below_mass = None

@@ -199,6 +199,7 @@ def _logsumexp_kernel(ins, outs, *, tiles: _Tiles):
     lse, entropy = common.logsumexp_finish(m, s, u)
     tiles.store_rows(outs["lse_q"], k, i, lse)
     tiles.store_rows(outs["entropy"], k, i, entropy)
+    tiles.store_rows(outs["max_logit"], k, i, m)
     if "token_logit" in outs:
       tiles.store_rows(outs["token_logit"], k, i, tok)
   if target:
@@ -208,11 +209,12 @@ def _logsumexp_kernel(ins, outs, *, tiles: _Tiles):
 def logsumexp_pass(x: HeadInputs, *, chunk_size: int | None = None,
                    block_rows: int | None = None, block_d: int | None = None,
                    interpret=False) -> FirstPass:
-  """Pass 1: per-row (lse_q, entropy, z_tok, lse_p) as in `xla_blockwise.logsumexp_pass`."""
+  """Pass 1: per-row (lse_q, entropy, z_tok, lse_p, max z) as in
+  `xla_blockwise.logsumexp_pass`."""
   tiles = _Tiles(x, chunk_size, block_rows, block_d)
   k, n, _ = x.draft.shape
   per_draft = jax.ShapeDtypeStruct((k * n,), jnp.float32)
-  outputs = dict(lse_q=per_draft, entropy=per_draft)
+  outputs = dict(lse_q=per_draft, entropy=per_draft, max_logit=per_draft)
   if x.tokens is not None:
     outputs["token_logit"] = per_draft
   if x.has_target:
@@ -221,7 +223,7 @@ def logsumexp_pass(x: HeadInputs, *, chunk_size: int | None = None,
               (pl.cdiv(n, tiles.br),), _inputs(x), outputs, interpret, "fused_head_logsumexp")
   per_row = lambda name: out[name].reshape(k, n) if name in out else None
   return FirstPass(per_row("lse_q"), per_row("entropy"), per_row("token_logit"),
-                   out.get("lse_p"))
+                   out.get("lse_p"), per_row("max_logit"))
 
 
 # ------------------------------------------------------------------ pass 2

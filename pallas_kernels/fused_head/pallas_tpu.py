@@ -4,7 +4,7 @@ Every kernel computes its blocks' logits on the MXU from a [K, br, d] block of d
 states and a [d, bc] block of the head (plus a [br, d] target block, or a [br, bc] block of
 given target logits), in float32, and never writes logits out:
   pass 1 (`logsumexp_pass`): grid (row blocks "parallel", vocab blocks "arbitrary"): online
-          log-sum-exp, entropy and token logit per draft row, log-sum-exp per target row, in
+          log-sum-exp, entropy, max and token logit per draft row, log-sum-exp per target row, in
           [br, 1] VMEM accumulators, written at the last vocab block;
   pass 2 (`overlap_pass`): same grid, alpha, S and KL under the final normalisers;
   backward (`grad_pass`): two kernels recomputing each block's logits and logit gradient g:
@@ -180,6 +180,7 @@ def _logsumexp_kernel(ins, outs, scratch, *, num_drafts, vocab, block_cols):
   def _finish():
     for k in range(num_drafts):
       outs["lse_q"][k], outs["entropy"][k] = common.logsumexp_finish(m[k], s[k], u[k])
+      outs["max_logit"][k] = m[k]
       if "token_logit" in outs:
         outs["token_logit"][k] = tok[k]
     if target:
@@ -188,13 +189,14 @@ def _logsumexp_kernel(ins, outs, scratch, *, num_drafts, vocab, block_cols):
 
 def logsumexp_pass(x: HeadInputs, *, chunk_size: int | None = None,
                    block_rows: int | None = None, interpret=False) -> FirstPass:
-  """Pass 1: per-row (lse_q, entropy, z_tok, lse_p) as in `xla_blockwise.logsumexp_pass`."""
+  """Pass 1: per-row (lse_q, entropy, z_tok, lse_p, max z) as in
+  `xla_blockwise.logsumexp_pass`."""
   k, n, _ = x.draft.shape
   vocab = x.head.shape[1]
   br, bc = _blocks(x, chunk_size, block_rows, interpret)
   specs = _Specs(x, br, bc, lambda i, j: (i, j))
   per_draft = (jax.ShapeDtypeStruct((k, n, 1), jnp.float32), specs.per_draft_row)
-  outputs = dict(lse_q=per_draft, entropy=per_draft)
+  outputs = dict(lse_q=per_draft, entropy=per_draft, max_logit=per_draft)
   if x.tokens is not None:
     outputs["token_logit"] = per_draft
   if x.has_target:
@@ -205,7 +207,7 @@ def logsumexp_pass(x: HeadInputs, *, chunk_size: int | None = None,
               _kernel_inputs(x, specs), outputs, scratch, interpret, "fused_head_logsumexp")
   return FirstPass(out["lse_q"][..., 0], out["entropy"][..., 0],
                    out["token_logit"][..., 0] if "token_logit" in out else None,
-                   out["lse_p"][:, 0] if "lse_p" in out else None)
+                   out["lse_p"][:, 0] if "lse_p" in out else None, out["max_logit"][..., 0])
 
 
 # ------------------------------------------------------------------ pass 2

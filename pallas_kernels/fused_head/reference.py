@@ -29,7 +29,8 @@ def _target_logits(x: HeadInputs) -> jax.Array:
 
 def fused_head(x: HeadInputs, *, chunk_size: int | None = None,
                interpret=False) -> dict[str, jax.Array]:
-  """Per-row entropy, logprob (with tokens), tv and kl (with a target), each [K, N] float32.
+  """Per-row entropy, max_logprob, logprob (with tokens), tv and kl (with a target), each
+  [K, N] float32.
 
   The target is a constant (stop-gradient); gradients reach the draft hidden states and the
   head by autodiff. `chunk_size` and `interpret` are unused.
@@ -37,7 +38,8 @@ def fused_head(x: HeadInputs, *, chunk_size: int | None = None,
   del chunk_size, interpret
   log_q = jax.nn.log_softmax(_logits(x.draft, x.head, x.bias), axis=-1)
   q = jnp.exp(log_q)
-  outputs = {"entropy": -jnp.sum(q * jnp.where(q > 0, log_q, 0.0), axis=-1)}
+  outputs = {"entropy": -jnp.sum(q * jnp.where(q > 0, log_q, 0.0), axis=-1),
+             "max_logprob": jax.lax.stop_gradient(jnp.max(log_q, axis=-1))}
   if x.tokens is not None:
     outputs["logprob"] = jnp.take_along_axis(log_q, x.tokens[..., None], axis=-1)[..., 0]
   if x.has_target:
@@ -67,7 +69,7 @@ def logsumexp_pass(x: HeadInputs, *, chunk_size=None, interpret=False) -> FirstP
   lse_p = None
   if x.has_target:
     lse_p = jax.nn.logsumexp(_target_logits(x), axis=-1)
-  return FirstPass(lse_q[..., 0], entropy[..., 0], token_logit, lse_p)
+  return FirstPass(lse_q[..., 0], entropy[..., 0], token_logit, lse_p, jnp.max(z, axis=-1))
 
 
 def overlap_pass(x: HeadInputs, lse_q, lse_p, *, chunk_size=None, interpret=False) -> Overlap:

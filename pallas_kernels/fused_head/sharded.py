@@ -10,10 +10,10 @@ hidden states [..., d] are laid out P(*spec[:-1], None), the head [d, V] P(None,
 the bias [V] P(spec[-1]), tokens [...] P(*spec[:-1]), the target hidden states (or logits)
 by the entries of their own trailing dimensions. Each device works on its block:
 
-  pass 1: each shard's per-row (lse_q, H, z_tok, lse_p) over its columns (token ids are
-          offset to the shard's columns), combined over the vocabulary axes: pmax / psum of
-          exp for the log-sum-exps, the mixture formula of `common.combine_entropy` for H,
-          psum for z_tok;
+  pass 1: each shard's per-row (lse_q, H, z_tok, lse_p, max z) over its columns (token ids
+          are offset to the shard's columns), combined over the vocabulary axes: pmax / psum
+          of exp for the log-sum-exps, the mixture formula of `common.combine_entropy` for H,
+          psum for z_tok, pmax for max z;
   pass 2: each shard's alpha, S and KL under the global normalisers, psum'd;
   backward: each shard's logit gradient from the per-row residuals; the hidden-state
           gradient sums over the vocabulary (psum over the vocabulary axes), the head's over
@@ -125,7 +125,7 @@ def _sharded_head(name: str, mesh: Mesh, spec: PartitionSpec, lead_ndim: int,
                     None if res.lse_p is None else res.lse_p.reshape(target_lead))
     return {k: v.reshape(lead) for k, v in outputs.items()}, res
 
-  output_names = ("entropy",) + (("logprob",) if "tokens" in present else ()) + (
+  output_names = ("entropy", "max_logprob") + (("logprob",) if "tokens" in present else ()) + (
       ("tv", "kl") if target_ndim is not None else ())
   forward = jax.shard_map(local_forward, mesh=mesh, in_specs=(in_specs,),
                           out_specs=({k: layout.rows for k in output_names}, residual_specs),

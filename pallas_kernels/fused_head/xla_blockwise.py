@@ -3,8 +3,8 @@
 Each pass slices a [d, C] chunk of the head (and of the bias and given target logits),
 computes the chunk's [K, N, C] draft logits (and [N, C] target logits) with one matmul each in
 float32, and reduces them per row (`common`):
-  pass 1 (`logsumexp_pass`): online log-sum-exp and entropy of q, the token's logit, and the
-          log-sum-exp of p;
+  pass 1 (`logsumexp_pass`): online log-sum-exp, entropy and max of q's logits, the token's
+          logit, and the log-sum-exp of p;
   pass 2 (`overlap_pass`): alpha = sum min(p, q), S = sum_{q<p} q and KL(p || q);
   backward (`grad_pass`): the chunk's logit gradient g, then dh += g W_c^T and
           dW[:, chunk] = h^T g (each head column is written once, in the head's dtype).
@@ -80,8 +80,8 @@ class _Chunk:
 
 def logsumexp_pass(x: HeadInputs, *, chunk_size: int | None = None,
                    interpret=False) -> FirstPass:
-  """Pass 1: per-row log-sum-exp and entropy of q, z_tok (with tokens), lse_p (with a
-  target). `interpret` unused."""
+  """Pass 1: per-row log-sum-exp, entropy and max logit of q, z_tok (with tokens), lse_p
+  (with a target). `interpret` unused."""
   del interpret
   k, n, _ = x.draft.shape
   vocab = x.head.shape[1]
@@ -106,7 +106,8 @@ def logsumexp_pass(x: HeadInputs, *, chunk_size: int | None = None,
   lse_q, entropy = common.logsumexp_finish(*draft_state)
   lse_p = None if target_state is None else common.logsumexp_finish(*target_state)[0][:, 0]
   return FirstPass(lse_q[..., 0], entropy[..., 0],
-                   None if token_logit is None else token_logit[..., 0], lse_p)
+                   None if token_logit is None else token_logit[..., 0], lse_p,
+                   draft_state[0][..., 0])
 
 
 def overlap_pass(x: HeadInputs, lse_q: jax.Array, lse_p: jax.Array, *,
