@@ -114,5 +114,15 @@ def test_a_segment_is_long_enough_that_its_call_overhead_stays_a_small_fraction(
   assert table.min_iterations(2, 1, 64, 0.02) == 250
   assert table.min_iterations(2, 5, 64, 0.02) == 63  # rows 5 -> the 8-row entries
   assert table.min_iterations(2, 5, 64, 1.0) == 2
+
+
+def test_observed_segments_move_the_entry_that_lookup_reads():
+  table = adaptive.CostTable()
+  for rows in (1, 8):
+    table.add(3, rows, 64, 1.0)
+  table.observe(3, 5, 64, 3.0, weight=0.25)  # 5 live rows run as the 8-row batch
+  assert table.lookup(3, 8, 64) == 1.5 and table.lookup(3, 1, 64) == 1.0
+  table.observe(0, 8, 64, 3.0, weight=0.25)  # K never calibrated: nothing to correct
+  assert (0, 8, 64) not in table.seconds
   with pytest.raises(ValueError, match="host_fraction"):
     adaptive.Settings(k_max=2, host_fraction=0.0)

@@ -25,7 +25,10 @@ batch) that holds the live rows, so a rollout's long tail runs at small batch, w
 speculation pays most; the gathers are compiled before the first segment. The cost table is
 measured once per run and shape (`calibrate`: the slope of segment time in iterations for
 each K at each batch bucket, on a scratch copy of the prefilled state), or, with calibration
-off, modelled from weight reads (`weight_read_costs`).
+off, modelled from weight reads (`weight_read_costs`). The calibration times its programs
+in interleaved rounds, and every full segment the loop runs afterwards moves its K's entry
+towards the time it took (`CostTable.observe`), so a table skewed by a burst of load
+elsewhere is corrected as the run goes.
 
 The choice depends only on the past (acceptance already observed, costs measured before),
 so switching K between iterations leaves the output law unchanged: every iteration is an
@@ -108,6 +111,17 @@ class CostTable:
     r = _at_least(sorted({r for r, _ in entries}), rows)
     b = _at_least(sorted({b for rr, b in entries if rr == r}), bucket)
     return self.seconds[(k, r, b)]
+
+  def observe(self, k: int, rows: int, bucket: int, seconds: float, weight: float) -> None:
+    """Moves the entry `lookup(k, rows, bucket)` reads towards `seconds` per iteration seen
+    in a live segment of that batch (an exponential moving average of weight `weight`), so
+    a calibration that noise skewed is corrected by the loop's own timings."""
+    entries = [(r, b) for (kk, r, b) in self.seconds if kk == k]
+    if not entries or seconds <= 0:
+      return
+    r = _at_least(sorted({r for r, _ in entries}), rows)
+    b = _at_least(sorted({b for rr, b in entries if rr == r}), bucket)
+    self.seconds[(k, r, b)] = (1 - weight) * self.seconds[(k, r, b)] + weight * seconds
 
   def min_iterations(self, k: int, rows: int, bucket: int, host_fraction: float) -> int:
     """The fewest iterations of k drafts whose time the segment call's overhead is at most
@@ -277,6 +291,8 @@ def weight_read_costs(model_config, rows: Sequence[int], bucket: int, k_max: int
   return table
 
 
+CALIBRATION_ROUNDS = 3  # timed passes over every (K, segment length) of a calibration
+
 # Calibrations, per run (process) and shape: {id(graphdef): (graphdef, {key: table})}.
 _TABLES: dict[int, tuple[object, dict[tuple, CostTable]]] = {}
 
@@ -290,38 +306,45 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
   iterations (as many as no row can finish in: every K's segment emits about as many
   tokens) and one a quarter as long; the difference cancels the call's fixed cost, which
   would otherwise flatter the costlier K. The fixed cost is a call of no iterations and its
-  host round trip. Each program runs
-  once to compile, then the best of three runs counts."""
+  host round trip. Each program runs once to compile; then `CALIBRATION_ROUNDS` rounds time
+  every (K, length) once each, interleaved, and the best of each counts."""
   b = s0.seq.shape[0]
   cache_length = s0.cache.length
 
-  def seconds(base, k, n):  # the best of three timed runs after one that compiles
-    times = []
-    for _ in range(4):
-      s = jax.tree.map(jnp.copy, base)
-      jax.block_until_ready(s)
-      t0 = time.perf_counter()
-      s = speculative.segment(graphdef, state, s, np.int32(n), k=k, params=params, mode=mode,
-                              draft_vocab=draft_vocab)
-      jax.device_get((s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
-      times.append(time.perf_counter() - t0)
-    return min(times[1:])
+  def seconds(base, k, n):  # one timed segment call on a fresh copy of `base`
+    s = jax.tree.map(jnp.copy, base)
+    jax.block_until_ready(s)
+    t0 = time.perf_counter()
+    s = speculative.segment(graphdef, state, s, np.int32(n), k=k, params=params, mode=mode,
+                            draft_vocab=draft_vocab)
+    jax.device_get((s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+    return time.perf_counter() - t0
 
   table = CostTable()
   for r in sorted(rows, reverse=True):
     base = _rows(s0, np.arange(r, dtype=np.int32), batch=b)
     base = base.replace(done=jnp.zeros((r,), bool), stop=jnp.full_like(base.stop, -1),
                         limit=jnp.full((r,), s0.out.tokens.shape[1], jnp.int32))
+    runs, lengths = [(0, 0)], {}  # (K, iterations); (0, 0): the call's fixed cost
     for k in range(k_max + 1):
       # As many iterations as no row can finish in (up to `iterations` per unit of
       # K + 1, so every K's segment runs about as long), and a quarter as many.
       room = (s0.out.tokens.shape[1] - 1) // (k + 1)
       long = max(2, min(iterations * (k_max + 1) // (k + 1), room))
-      short = max(1, long // 4)
-      t_short, t_long = seconds(base, k, short), seconds(base, k, long)
-      slope = (t_long - t_short) / (long - short)
-      table.add(k, r, cache_length, slope if slope > 0 else t_long / long)  # noise: mean
-    table.overhead[r] = seconds(base, 0, 0)
+      lengths[k] = (max(1, long // 4), long)
+      runs += [(k, n) for n in lengths[k] if (k, n) not in runs]
+    for run in runs:  # compiles each K's program and warms it
+      seconds(base, *run)
+    # Rounds over every run, alternating direction: a burst of load from elsewhere falls on
+    # neighbouring runs of different K, not on all the runs of one K.
+    best = dict.fromkeys(runs, math.inf)
+    for i in range(CALIBRATION_ROUNDS):
+      for run in (runs if i % 2 == 0 else runs[::-1]):
+        best[run] = min(best[run], seconds(base, *run))
+    for k, (short, long) in lengths.items():
+      slope = (best[(k, long)] - best[(k, short)]) / (long - short)
+      table.add(k, r, cache_length, slope if slope > 0 else best[(k, long)] / long)  # noise
+    table.overhead[r] = best[(0, 0)]
   logging.info("adaptive decoding cost table (seconds per iteration): %s; segment call "
                "overhead by rows: %s", table.to_json(), table.overhead)
   return table
@@ -379,10 +402,12 @@ def _plan(settings: Settings, acceptance, depths: int, table: CostTable | None, 
 
 def _drive(graphdef, state, s: speculative.DecodeState, *, params, mode, settings: Settings,
            estimate: AcceptanceEstimate, table: CostTable, schedule, whole_state: bool,
-           draft_vocab, buckets: Sequence[int], stats: Stats, first: tuple[int, int] | None
-           ) -> tuple[speculative.DecodeState | speculative.SpeculativeOutput, Stats]:
+           draft_vocab, buckets: Sequence[int], stats: Stats, first: tuple[int, int] | None,
+           observe: bool) -> tuple[speculative.DecodeState | speculative.SpeculativeOutput,
+                                   Stats]:
   """The segment loop of `decode` and `generate` on `s` (donated). `first` = (K, iterations)
-  when `s` has already run its first segment from a fresh prefill (`first_segment`)."""
+  when `s` has already run its first segment from a fresh prefill (`first_segment`).
+  `observe`: correct the (calibrated) table with each full segment's measured time."""
   b = s.seq.shape[0]
   part = (lambda st: st) if whole_state else (lambda st: st.out)
   if settings.compact:
@@ -411,10 +436,18 @@ def _drive(graphdef, state, s: speculative.DecodeState, *, params, mode, setting
          choose_k(estimate, table, live, s.cache.length, settings.k_max))
     iterations = _segment_length(k, k_before, iterations, table, live, s.cache.length,
                                  settings)
+    t0 = time.perf_counter()
     s = speculative.segment(graphdef, state, s, np.int32(iterations), k=k,
                             params=params, mode=mode, draft_vocab=draft_vocab)
     done, now_att, now_acc, now_fwd = jax.device_get(
         (s.done, s.out.attempted, s.out.accepted, s.out.target_forwards))
+    if observe and now_fwd - forwards == iterations and table.overhead:
+      # A segment that ran all its iterations: its time per iteration, less the call's
+      # measured fixed cost, corrects this K's entry at this batch size.
+      spent = time.perf_counter() - t0 - table.overhead[_at_least(sorted(table.overhead),
+                                                                   s.seq.shape[0])]
+      table.observe(k, s.seq.shape[0], s.cache.length, spent / iterations,
+                    settings.smoothing)
     estimate.update((now_acc - accepted).sum(0), (now_att - attempted).sum(0))
     stats.k_iterations[k] = stats.k_iterations.get(k, 0) + int(now_fwd - forwards)
     stats.segments.append((k, live, s.seq.shape[0]))
@@ -438,6 +471,7 @@ def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.Samp
   the call did."""
   b = s.seq.shape[0]
   buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
+  observe = table is None and schedule is None and settings.calibrate
   estimate, table = _plan(settings, acceptance, s.out.attempted.shape[1], table, schedule)
   calibration_s = 0.0
   if table is None:
@@ -449,7 +483,8 @@ def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.Samp
                 calibration_s=calibration_s)
   return _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
                 estimate=estimate, table=table, schedule=schedule, whole_state=whole_state,
-                draft_vocab=draft_vocab, buckets=buckets, stats=stats, first=None)
+                draft_vocab=draft_vocab, buckets=buckets, stats=stats, first=None,
+                observe=observe)
 
 
 def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
@@ -465,6 +500,7 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   kw = dict(max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
             stop_tokens=tuple(stop_tokens), row_stops=row_stops, num_draft_steps=depths,
             max_turn_tokens=max_turn_tokens)
+  observe = table is None and schedule is None and settings.calibrate
   estimate, table = _plan(settings, acceptance, depths, table, schedule)
   calibration_s = 0.0
   if table is None:
@@ -485,7 +521,7 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   return _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
                 estimate=estimate, table=table, schedule=schedule, whole_state=whole_state,
                 draft_vocab=draft_vocab, buckets=buckets, stats=stats,
-                first=(k, iterations))
+                first=(k, iterations), observe=observe)
 
 
 def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
