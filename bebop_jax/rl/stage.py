@@ -157,11 +157,17 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
   evaluations along a run are paired."""
   start = time.perf_counter()
   per_mode, solved, rewards = {}, {}, {}
+  bar = metrics_lib.Progress(
+      len(config.rl.eval.modes) * sum(len(e) for e in examples.values()), 0,
+      f"[{STAGE}] held-out evaluation", disable=not config.rl.train.progress, unit="prompt")
   for mode in config.rl.eval.modes:
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
         config, seeds, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
         draft_vocab=draft_vocab))
-    by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7)
+    by_task = {}
+    for name, exs in examples.items():  # as evaluation.rollouts_by_task, a bar step per task
+      by_task.update(evaluation.rollouts_by_task(engine, {name: exs}, seed=config.seed + 7))
+      bar.update(len(exs))
     both = rollout.Rollouts.concatenate(list(by_task.values()))
     per_mode[mode] = {"acceptance": both.acceptance().tolist(),
                       "tokens_per_target_forward": both.tokens_per_target_forward(),
@@ -171,6 +177,7 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
     for name, r in by_task.items():
       solved.setdefault(name, []).append(tasks_lib.solved(r.rewards).astype(float))
       rewards.setdefault(name, []).append(r.rewards)
+  bar.close()
   per_prompt = {name: np.mean(s, axis=0) for name, s in solved.items()}
   return {"pass_at_1": {n: float(v.mean()) for n, v in per_prompt.items()},
           "pass_at_1_se": {n: evaluation.standard_error(v) for n, v in per_prompt.items()},

@@ -76,13 +76,19 @@ sft_workdir = checkpoint_lib.sft_workdir  # where the policy the drafter is for 
 def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
                     examples: dict[str, Sequence[tasks_lib.Example]],
                     task_objs: dict[str, tasks_lib.Task], rng: jax.Array,
-                    settings: rollout.RolloutSettings) -> dict[str, rollout.Rollouts]:
-  """{task: one rollout per example} from the rollout engine."""
+                    settings: rollout.RolloutSettings, progress: bool = False
+                    ) -> dict[str, rollout.Rollouts]:
+  """{task: one rollout per example} from the rollout engine (`progress`: a bar with an
+  ETA, a step per task)."""
   engine = rollout.JaxEngine(graphdef, params, task_objs, settings)
+  bar = metrics_lib.Progress(sum(len(e) for e in examples.values()), 0, f"[{STAGE}] rollouts",
+                             disable=not progress, unit="prompt")
   out = {}
   for name, exs in examples.items():
     rng, key = jax.random.split(rng)
     out[name] = engine.generate(exs, key)
+    bar.update(len(exs))
+  bar.close()
   return out
 
 
@@ -159,7 +165,8 @@ def self_distillation_data(config: ml_collections.ConfigDict, graphdef, params, 
       graphdef, params, _examples(config, split, per_task), task_objs,
       jax.random.key(config.seed + (17 if split == "train" else 29)),
       evaluation.settings(config, temperature=m.temperature, top_k=0, top_p=1.0,
-                          max_new_tokens=m.data.max_new_tokens, batch_size=m.data.batch_size))
+                          max_new_tokens=m.data.max_new_tokens, batch_size=m.data.batch_size),
+      progress=m.train.progress)
   seqs = [seq for r in rollouts.values() for seq in r.sequences()]
   meta = {"seconds": time.perf_counter() - start,
           "reward": {n: float(r.rewards.mean()) for n, r in rollouts.items()},
