@@ -5,7 +5,7 @@ policy has real entropy, for the MTP objective sweep and the acceptance-against-
   python experiments/sweep_mtp_losses.py --config=configs/testbed_entropy.py \
       --init_from=runs/testbed_entropy --starts=warm,scratch --seeds=3 --workdir=runs/sweep_entropy
 
-Everything as configs/quickstart.py (the same model, data, SFT, MTP and eval budgets) except
+Everything as configs/laptop.py (the same model, data, SFT, MTP and eval budgets) except
 that SFT samples a fresh demonstration at every visit: every structural fork
 (`diversity=1`: reduction order, equivalent programs and traced example, look-up order and
 calc forms) and the spaced writing style for half of the demonstrations. The restatement
@@ -21,7 +21,7 @@ from bebop_jax.tasks import TASK_NAMES
 
 
 def get_config(arg: str | None = None):
-  config = config_lib.load_file(os.path.join(os.path.dirname(__file__), "quickstart.py"), arg)
+  config = config_lib.load_file(os.path.join(os.path.dirname(__file__), "laptop.py"), arg)
   config.stages = ("sft", "mtp", "eval")
   for name in TASK_NAMES:
     config.data.tasks[name].knobs.diversity = 1.0

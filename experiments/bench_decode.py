@@ -17,7 +17,7 @@ speculative decoding, autoregressive decoding with its cache kept across turns a
 autoregressive decoding that re-encodes the whole context every turn, and writes those rows
 to the JSON's "results_multi_turn" (--batch_sizes= runs the episodes alone):
 
-  python experiments/bench_decode.py --config=configs/quickstart.py --workdir=runs/quickstart \
+  python experiments/bench_decode.py --config=configs/laptop.py --workdir=runs/laptop \
       --batch_sizes= --episodes=1,8,64
 
 With --draft_vocab=full,16384,8192,4096 every mode also runs with a reduced draft
@@ -31,7 +31,7 @@ with --adaptive (or config.decoding.adaptive.enabled) adaptive decoding
 leaving the batch as they finish), its rows "k": "adaptive" with the iterations run at each
 K and the cost table:
 
-  python experiments/bench_decode.py --config=configs/quickstart.py --workdir=runs/quickstart \
+  python experiments/bench_decode.py --config=configs/laptop.py --workdir=runs/laptop \
       --batch_sizes=1,8,64 --temperatures=1 --modes=rejection,block --draft_lengths=1,2,3 \
       --adaptive
 """

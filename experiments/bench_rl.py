@@ -1,6 +1,6 @@
 r"""RL speed: {autoregressive, speculative} x {sync, async} rollouts, same prompts and seeds.
 
-  python experiments/bench_rl.py --config=configs/quickstart.py --init_from=runs/quickstart \
+  python experiments/bench_rl.py --config=configs/laptop.py --init_from=runs/laptop \
       --workdir=runs/bench_rl --steps=24
 
 Every arm runs the `rl` stage from the SFT/MTP stages in --init_from, in --workdir/<arm>

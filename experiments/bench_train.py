@@ -1,6 +1,6 @@
 r"""Learner-step throughput: the training path against the dense reference, in one process.
 
-  python experiments/bench_train.py --config=configs/quickstart.py \
+  python experiments/bench_train.py --config=configs/laptop.py \
       --out=runs/bench_train.json
 
 For each stage (SFT with its joint MTP loss; the MTP stage's loss on a frozen trunk) and
@@ -43,7 +43,7 @@ from bebop_jax.train import mtp, optimizer as optimizer_lib, sft, trainer
 
 STAGES = ("sft", "mtp", "rl")
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py",
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/laptop.py",
                                           "Experiment config.", lock_config=False)
 _STAGES = flags.DEFINE_list("stages", list(STAGES), f"Steps to time, of {STAGES}.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per path (after one warm-up).")

@@ -1,7 +1,7 @@
 r"""What one speculative iteration costs, in autoregressive steps, and where it goes (batch 1).
 
-  python experiments/profile_speculative.py --config=configs/quickstart.py \
-      --workdir=runs/quickstart --out=runs/quickstart/profile_speculative.json
+  python experiments/profile_speculative.py --config=configs/laptop.py \
+      --workdir=runs/laptop --out=runs/laptop/profile_speculative.json
 
 Two measurements, one process:
 
@@ -41,7 +41,7 @@ from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import autoregressive, benchmark, sampling, speculative
 from bebop_jax.train import mtp
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py",
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/laptop.py",
                                           "Experiment config.", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir with SFT (and MTP) stages.")
 _RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model.")

@@ -2,8 +2,8 @@ r"""The MTP loss sweep with seeds: one MTP stage per (start, loss, seed), then a
 
   # warm start (each loss fine-tunes the jointly trained MTP module) and from scratch,
   # 3 seeds each, from the quickstart's SFT stage:
-  python experiments/sweep_mtp_losses.py --config=configs/quickstart.py \
-      --init_from=runs/quickstart --starts=warm,scratch --seeds=3 --workdir=runs/sweep
+  python experiments/sweep_mtp_losses.py --config=configs/laptop.py \
+      --init_from=runs/laptop --starts=warm,scratch --seeds=3 --workdir=runs/sweep
 
 The config's get_sweep(arg) (bebop_jax.sweep: a list of override dicts) names the entries;
 without one, mtp.loss goes over bebop_jax.losses.mtp.LOSSES. This script adds seeds, warm
