@@ -323,9 +323,10 @@ def test_pod_preset_mtp_e2e_tv_step_compiles_ahead_of_time(size, capfd):
   assert not re.findall(rf"[a-z0-9]+\[(?:[0-9]+,)*{cfg.vocab_size}(?:,[0-9]+)*\]", text)
   temp_gib = stats.temp_size_in_bytes / 2**30
   # The dense head needed 62.88 GiB (1.7B) and 70.36 GiB (8B) here; the fused head at its
-  # default chunk (2048) 9.41 and 16.94 GiB (docs/mtp.md). The 16 GiB goal at 8B is not met
-  # yet (the rest of the step holds ~14.5 GiB): this guards the gain.
-  assert temp_gib <= {"1p7b": 10, "8b": 17.5}[size], temp_gib
+  # default chunk (2048) 9.41 and 16.94 GiB with the MTP chain unrolled, 5.14 and 9.94 GiB
+  # with the chain a scan over depths and the frozen layers sliced as integers (docs/mtp.md;
+  # the goal was 16 GiB at 8B). The bounds guard that, with a little headroom.
+  assert temp_gib <= {"1p7b": 5.5, "8b": 10.5}[size], temp_gib
 
   # The dense path's TV kernel alone, at this step's logits: per device against dense TV.
   logits = (cfg.num_draft_steps, rows, POD_SEQ, cfg.vocab_size)

@@ -319,7 +319,7 @@ def make_loss_fn(config: ml_collections.ConfigDict):
 
   def loss_fn(model, batch):
     out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                mtp_stop_gradient=True, logits=m.head == "dense")
+                mtp_stop_gradient=True, logits=m.head == "dense", frozen_layers=True)
     return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=m.loss,
                                depth_weights=depth_weights, tv_implementation=impl,
                                tv_interpret=m.tv_interpret,
