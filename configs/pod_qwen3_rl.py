@@ -44,15 +44,16 @@ def get_config(arg: str | None = None):
   config.rl.asynchronous.enabled = True
   config.rl.asynchronous.max_staleness = 1
 
-  # 512 rollouts a step in 4 updates of 128 rows of up to 512 + 1024 tokens, each update 4
-  # accumulated microbatches (on 128 learner devices one row per data-parallel shard: the 8B
-  # policy update's temp at 4 rows a shard is 13.8 GiB a device with the fused head (17.1
-  # dense), at 1 row 5.7 GiB (7.0), by the CPU compiler's memory analysis; docs/rl.md).
+  # 512 rollouts a step in 4 updates of 128 rows of up to 512 + 1024 tokens, each update 2
+  # accumulated microbatches of 2 rows per data-parallel shard (128 learner devices): the 8B
+  # policy update's temp is 8.56 GiB a device with the fused head (10.61 dense), 13.83
+  # (17.05) without accumulation, 5.74 (6.97) with 4, by the CPU compiler's memory analysis
+  # (docs/rl.md).
   config.rl.prompts_per_batch = 64
   config.rl.group_size = 8
   config.rl.max_prompt_len = 512
   config.rl.minibatches = 4
-  config.rl.train.grad_accum_steps = 4
+  config.rl.train.grad_accum_steps = 2
   config.rl.rollout.max_new_tokens = 1024
   config.rl.rollout.batch_size = 256
   config.rl.train.num_steps = 1000
