@@ -68,9 +68,9 @@ def get_config(arg: str | None = None):
   config.eval.batch_size = 64
   config.eval.max_new_tokens = 160
   config.eval.temperatures = (1.0,)
-  # Math prompts are 16-18 tokens, code prompts 49-102: two buckets, half the decoding
-  # programs to compile of the default's four that these lengths would use.
-  config.eval.prompt_buckets = (32, 128)
+  # Math prompts are 16-18 tokens, code prompts 49-102, whole rollouts under 512: two
+  # prompt buckets, half the decoding programs the default's would compile for these.
+  config.eval.prompt_buckets = (32, 128, 512)
   config.report.batch_sizes = (1, 8)
   config.report.num_prompts = 8
   config.report.repeats = 2
