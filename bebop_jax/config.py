@@ -440,6 +440,15 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not pb or any(not isinstance(b, int) or b < 1 for b in pb) or list(pb) != sorted(set(pb)):
     _fail("eval.prompt_buckets", config.eval.prompt_buckets,
           "must be a non-empty increasing tuple of positive ints")
+  # Whole rollouts (a prompt of up to rl.max_prompt_len tokens and its completion) are padded
+  # to a bucket too (teacher-forced acceptance): a run must not stop there midway.
+  whole = config.rl.max_prompt_len + max(config.eval.max_new_tokens,
+                                         config.mtp.data.max_new_tokens)
+  if pb and max(pb) < whole:
+    _fail("eval.prompt_buckets", config.eval.prompt_buckets,
+          f"needs a bucket >= {whole} (rl.max_prompt_len + the longest completion budget, "
+          "eval.max_new_tokens or mtp.data.max_new_tokens): whole rollouts are padded to "
+          "one")
   if not 0 < config.eval.top_p <= 1:
     _fail("eval.top_p", config.eval.top_p, "must be in (0, 1]")
   _positive_int(config, "preview.examples_per_task")

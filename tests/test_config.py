@@ -61,6 +61,8 @@ def test_base_and_experiment_configs_validate():
     ("rl.asynchronous.is_mode", "clip", "config.rl.asynchronous.is_mode='clip' is not allowed"),
     ("rl.asynchronous.is_cap", 0.0, "config.rl.asynchronous.is_cap=0.0 is not allowed"),
     ("mesh.rules", (("batch", "pipeline"),), "mesh axis 'pipeline' is not one of"),
+    ("eval.prompt_buckets", (32, 128), "config.eval.prompt_buckets=(32, 128) is not allowed: "
+     "needs a bucket >= 288 (rl.max_prompt_len + the longest completion budget"),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(key, value, message):
   config = config_lib.base_config()
