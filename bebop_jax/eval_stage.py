@@ -29,11 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from bebop_jax import evaluation
 from bebop_jax import report
-from bebop_jax import rollout
-from bebop_jax import tasks as tasks_lib
-from bebop_jax.data import pipeline
 from bebop_jax.decoding import adaptive, batching, benchmark, diagnostics, sampling
 from bebop_jax.rl import stage as rl_stage
 from bebop_jax.train import checkpoint as checkpoint_lib
@@ -107,29 +103,6 @@ def _heldout_tasks(config) -> dict[str, int]:
   return {n: config.eval.num_examples for n in mtp._per_task(config, 1)}  # pylint: disable=protected-access
 
 
-def sample_heldout(config: ml_collections.ConfigDict, graphdef, params, *, progress=None
-                   ) -> list[tuple[np.ndarray, np.ndarray]]:
-  """(tokens, policy mask) of one rollout per held-out prompt, sampled from `params` with the
-  settings of the MTP stage's held-out rollouts (mtp.self_distillation_data: the same
-  prompts, temperature and budget), not cached: they belong to this policy alone.
-  `progress.update()` after each task."""
-  m = config.mtp
-  per_task = _heldout_tasks(config)
-  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task}
-  engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
-      config, temperature=m.temperature, top_k=0, top_p=1.0,
-      max_new_tokens=m.data.max_new_tokens, batch_size=m.data.batch_size))
-  rng = jax.random.key(config.seed + 29)
-  sequences = []
-  for name, num in per_task.items():
-    rng, key = jax.random.split(rng)
-    sequences += engine.generate(pipeline.eval_examples(config.data, name, num), key
-                                 ).sequences()
-    if progress is not None:
-      progress.update(1)
-  return sequences
-
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Measures, writes summary.json, plots and report.md; skipped when summary.json exists."""
   done = read_summary(workdir)
@@ -168,9 +141,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         config, graphdef, params, os.path.join(mtp.sft_workdir(config, workdir), "mtp_data"),
         "test", _heldout_tasks(config))["sequences"]
   else:
-    progress = bar(len(_heldout_tasks(config)), "held-out rollouts", "task")
-    sequences = sample_heldout(config, graphdef, params, progress=progress)
-    progress.close()
+    # This policy's own rollouts, with the MTP stage's held-out prompts and settings.
+    rollouts = mtp.policy_rollouts(config, graphdef, params, "test", _heldout_tasks(config),
+                                   progress=r.progress, desc="[eval] held-out rollouts")
+    sequences = [seq for ro in rollouts.values() for seq in ro.sequences()]
   progress = bar(len(r.entropy_temperatures) * -(-len(sequences) // config.eval.batch_size),
                  "acceptance vs entropy", "batch")
   entropy = entropy_points(graphdef, params, sequences,

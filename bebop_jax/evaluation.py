@@ -9,7 +9,7 @@ the seed and the task, so a task's numbers do not depend on which other tasks ar
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import collections
 import math
@@ -38,11 +38,16 @@ def task_rng(seed: int, task: str) -> jax.Array:
 
 
 def rollouts_by_task(engine: RolloutEngine,
-                     examples: Mapping[str, Sequence[tasks_lib.Example]], *, seed: int
-                     ) -> dict[str, Rollouts]:
-  """{task: one rollout per example}."""
-  return {name: engine.generate(list(exs), task_rng(seed, name))
-          for name, exs in examples.items()}
+                     examples: Mapping[str, Sequence[tasks_lib.Example]], *, seed: int,
+                     on_task: Callable[[int], Any] | None = None) -> dict[str, Rollouts]:
+  """{task: one rollout per example}; `on_task(number of examples)` after each task (a
+  progress bar's update)."""
+  out = {}
+  for name, exs in examples.items():
+    out[name] = engine.generate(list(exs), task_rng(seed, name))
+    if on_task is not None:
+      on_task(len(exs))
+  return out
 
 
 def pass_at_1(rollouts: Mapping[str, Rollouts]) -> dict[str, float]:

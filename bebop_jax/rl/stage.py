@@ -164,10 +164,8 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
         config, seeds, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
         draft_vocab=draft_vocab))
-    by_task = {}
-    for name, exs in examples.items():  # as evaluation.rollouts_by_task, a bar step per task
-      by_task.update(evaluation.rollouts_by_task(engine, {name: exs}, seed=config.seed + 7))
-      bar.update(len(exs))
+    by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7,
+                                          on_task=bar.update)
     both = rollout.Rollouts.concatenate(list(by_task.values()))
     per_mode[mode] = {"acceptance": both.acceptance().tolist(),
                       "tokens_per_target_forward": both.tokens_per_target_forward(),

@@ -76,12 +76,12 @@ sft_workdir = checkpoint_lib.sft_workdir  # where the policy the drafter is for 
 def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
                     examples: dict[str, Sequence[tasks_lib.Example]],
                     task_objs: dict[str, tasks_lib.Task], rng: jax.Array,
-                    settings: rollout.RolloutSettings, progress: bool = False
-                    ) -> dict[str, rollout.Rollouts]:
+                    settings: rollout.RolloutSettings, progress: bool = False,
+                    desc: str = f"[{STAGE}] rollouts") -> dict[str, rollout.Rollouts]:
   """{task: one rollout per example} from the rollout engine (`progress`: a bar with an
-  ETA, a step per task)."""
+  ETA titled `desc`, a step per task)."""
   engine = rollout.JaxEngine(graphdef, params, task_objs, settings)
-  bar = metrics_lib.Progress(sum(len(e) for e in examples.values()), 0, f"[{STAGE}] rollouts",
+  bar = metrics_lib.Progress(sum(len(e) for e in examples.values()), 0, desc,
                              disable=not progress, unit="prompt")
   out = {}
   for name, exs in examples.items():
@@ -145,6 +145,22 @@ def _per_task(config, total: int) -> dict[str, int]:
   return dict(zip(names, counts.tolist()))
 
 
+def policy_rollouts(config: ml_collections.ConfigDict, graphdef, params, split: str,
+                    per_task: dict[str, int], *, progress: bool = False,
+                    desc: str = f"[{STAGE}] rollouts") -> dict[str, rollout.Rollouts]:
+  """{task: one rollout per prompt} of the first `per_task[task]` `split` prompts, sampled
+  from `params` with the MTP stage's settings (temperature, budget, batch; full support) and
+  its key for the split. Not cached (self_distillation_data caches them)."""
+  m = config.mtp
+  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task}
+  return sample_rollouts(
+      graphdef, params, _examples(config, split, per_task), task_objs,
+      jax.random.key(config.seed + (17 if split == "train" else 29)),
+      evaluation.settings(config, temperature=m.temperature, top_k=0, top_p=1.0,
+                          max_new_tokens=m.data.max_new_tokens, batch_size=m.data.batch_size),
+      progress=progress, desc=desc)
+
+
 def self_distillation_data(config: ml_collections.ConfigDict, graphdef, params, data_dir: str,
                            split: str, per_task: dict[str, int]) -> dict[str, Any]:
   """Cached rollouts of the policy on `split` prompts: {"sequences": [(tokens, mask)], ...}.
@@ -159,14 +175,8 @@ def self_distillation_data(config: ml_collections.ConfigDict, graphdef, params, 
     return {"sequences": [(tokens[i, :n], masks[i, :n]) for i, n in enumerate(lengths)],
             "cached": True, **meta}
   start = time.perf_counter()
-  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task}
-  m = config.mtp
-  rollouts = sample_rollouts(
-      graphdef, params, _examples(config, split, per_task), task_objs,
-      jax.random.key(config.seed + (17 if split == "train" else 29)),
-      evaluation.settings(config, temperature=m.temperature, top_k=0, top_p=1.0,
-                          max_new_tokens=m.data.max_new_tokens, batch_size=m.data.batch_size),
-      progress=m.train.progress)
+  rollouts = policy_rollouts(config, graphdef, params, split, per_task,
+                             progress=config.mtp.train.progress)
   seqs = [seq for r in rollouts.values() for seq in r.sequences()]
   meta = {"seconds": time.perf_counter() - start,
           "reward": {n: float(r.rewards.mean()) for n, r in rollouts.items()},
