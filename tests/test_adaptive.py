@@ -57,6 +57,28 @@ def test_choose_k_switches_speculation_off_where_it_cannot_pay():
     table.lookup(5, 1, 256)
 
 
+def test_a_short_call_does_not_pay_for_the_depth_caches():
+  """A first segment spreads K's start cost (the depth caches over the prompt) over the
+  call's expected iterations at K: the same table and acceptance choose K = 3 for a long
+  call and K = 0 for a short one; brute force over every K agrees."""
+  table = _table({1: [1.0, 1.2, 1.4, 1.6]})
+  table.start.update({(1, 1): 4.0, (2, 1): 6.0, (3, 1): 8.0})
+  good = adaptive.AcceptanceEstimate([0.9, 0.9, 0.9])
+  assert adaptive.choose_k(good, table, 1, 256, 3) == 3  # no call length: the start is free
+  for call_tokens in (1, 4, 16, 64, 512):
+    seconds = [table.start_cost(k, 1) + call_tokens / adaptive.expected_tokens(good.alphas, k)
+               * table.lookup(k, 1, 256) for k in range(4)]
+    want = int(np.argmin(seconds))
+    assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=call_tokens) == want
+  assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=4) == 0
+  assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=512) == 3
+  # Calls' lengths move the estimate: the first sets it, then an EMA.
+  table.observe_call(20.0, 0.5)
+  table.observe_call(10.0, 0.5)
+  assert table.tokens_per_row == 15.0
+  assert table.start_cost(2, 64) == 6.0 and adaptive.CostTable().start_cost(1, 1) == 0.0
+
+
 def test_weight_read_costs_charge_each_depth_a_block_and_the_head():
   from bebop_jax.model import config as model_config  # pylint: disable=g-import-not-at-top
   c = model_config.preset("tiny")

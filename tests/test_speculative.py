@@ -421,6 +421,38 @@ def test_adaptive_decoding_at_temperature_zero_is_greedy_decoding_whatever_k_and
   assert sum(st.k_iterations.values()) == int(out.target_forwards)
 
 
+def test_an_adaptive_call_that_never_drafts_is_the_autoregressive_program():
+  """When the first choice is K = 0 and its segment would cover the whole budget, the call
+  runs autoregressive decoding's own program: the same tokens and log-probs from the same
+  key, in speculative decoding's output form (no draft attempted, one forward per token
+  after the first), compiling no speculative program."""
+  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  tokens, lengths = _prompts(b=2, seed=8)
+  params = sampling.SamplingParams(1.0)
+  table = adaptive.CostTable()
+  for k, seconds in enumerate((1e-4, 1.0, 1.0)):  # drafting never pays
+    table.add(k, 2, 64, seconds)
+  table.overhead[2] = 1.0  # a segment call's fixed cost: the floor covers the budget
+  compiled = speculative.first_segment._cache_size()  # pylint: disable=protected-access
+  out, st = adaptive.generate(
+      GRAPHDEF, STATE, tokens, lengths, jax.random.key(5), max_new_tokens=24,
+      cache_length=64, params=params, mode="rejection", stop_tokens=STOP,
+      settings=adaptive.Settings(k_max=2), table=table)
+  ar = autoregressive.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(5),
+                               max_new_tokens=24, cache_length=64, params=params,
+                               stop_tokens=STOP)
+  assert speculative.first_segment._cache_size() == compiled  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ar.logprobs))
+  n = np.asarray(out.lengths)
+  assert np.asarray(out.attempted).shape == (2, 2) and not np.asarray(out.attempted).any()
+  np.testing.assert_array_equal(np.asarray(out.emitted_by_forwards), n - 1)
+  np.testing.assert_array_equal(np.asarray(out.row_forwards), n - 1)
+  np.testing.assert_array_equal(np.asarray(out.policy_mask).sum(1), n)
+  assert st.k_iterations == {0: int(ar.target_forwards)} and st.segments == [(0, 2, 2)]
+
+
 def test_depth_caches_catch_up_after_segments_with_fewer_drafts():
   """After a prefill of the main cache only (as adaptive decoding's), autoregressive steps
   (K = 0) and a segment with one draft, a segment with three first brings every depth up to

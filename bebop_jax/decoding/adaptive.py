@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bebop_jax.decoding import autoregressive
 from bebop_jax.decoding import sampling
 from bebop_jax.decoding import speculative
 
@@ -96,6 +97,12 @@ class CostTable:
   seconds of one segment call (dispatch and the host round trip), {rows: seconds}."""
   seconds: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
   overhead: dict[int, float] = dataclasses.field(default_factory=dict)
+  # The extra fixed seconds of a call's first segment with k drafts over one without, at
+  # `rows` rows ({(k, rows): seconds}): the depth caches computed over the prompt.
+  start: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+  # Tokens a row emits per call, an exponential moving average over the calls run so far
+  # (None before the first): what a first segment's start cost is spread over.
+  tokens_per_row: float | None = None
 
   def add(self, k: int, rows: int, bucket: int, seconds: float) -> None:
     if seconds <= 0:
@@ -123,6 +130,16 @@ class CostTable:
     b = _at_least(sorted({b for rr, b in entries if rr == r}), bucket)
     self.seconds[(k, r, b)] = (1 - weight) * self.seconds[(k, r, b)] + weight * seconds
 
+  def start_cost(self, k: int, rows: int) -> float:
+    """`start` at the smallest measured batch >= rows (0 where none was measured)."""
+    sizes = sorted({r for kk, r in self.start if kk == k})
+    return self.start[(k, _at_least(sizes, rows))] if sizes else 0.0
+
+  def observe_call(self, tokens_per_row: float, weight: float) -> None:
+    """Moves `tokens_per_row` towards a finished call's mean completion length."""
+    self.tokens_per_row = (float(tokens_per_row) if self.tokens_per_row is None else
+                           (1 - weight) * self.tokens_per_row + weight * tokens_per_row)
+
   def min_iterations(self, k: int, rows: int, bucket: int, host_fraction: float) -> int:
     """The fewest iterations of k drafts whose time the segment call's overhead is at most
     `host_fraction` of (1 when no overhead was measured)."""
@@ -142,11 +159,18 @@ def _at_least(values: Sequence[int], want: int) -> int:
 
 
 def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: int,
-             k_max: int) -> int:
-  """The K in 0..k_max of the most expected tokens per second (ties: the smaller K)."""
+             k_max: int, call_tokens: float | None = None) -> int:
+  """The K in 0..k_max of the most expected tokens per second (ties: the smaller K). With
+  `call_tokens` (a call's first segment: the tokens a row is expected to emit in the call),
+  K's start cost (`CostTable.start`) is spread over the call's expected iterations at K,
+  call_tokens / E(K): a short call does not pay for computing the depth caches."""
   best_k, best_rate = 0, -1.0
   for k in range(k_max + 1):
-    rate = expected_tokens(estimate.alphas, k) / table.lookup(k, rows, bucket)
+    tokens = expected_tokens(estimate.alphas, k)
+    cost = table.lookup(k, rows, bucket)
+    if call_tokens:
+      cost += table.start_cost(k, rows) * tokens / max(call_tokens, 1.0)
+    rate = tokens / cost
     if rate > best_rate * (1 + 1e-12):
       best_k, best_rate = k, rate
   return best_k
@@ -203,6 +227,8 @@ class Stats:
     return {"k_iterations": {str(k): v for k, v in sorted(self.k_iterations.items())},
             "segments": [list(x) for x in self.segments], "cost_table": self.table.to_json(),
             "segment_overhead_s": {str(r): v for r, v in sorted(self.table.overhead.items())},
+            "start_cost_s": {f"k{k}_rows{r}": v for (k, r), v in sorted(self.table.start.items())},
+            "tokens_per_row": self.table.tokens_per_row,
             "acceptance_estimate": self.alphas, "calibration_s": self.calibration_s}
 
 
@@ -341,12 +367,19 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
     for i in range(CALIBRATION_ROUNDS):
       for run in (runs if i % 2 == 0 else runs[::-1]):
         best[run] = min(best[run], seconds(base, *run))
+    intercept = {}
     for k, (short, long) in lengths.items():
       slope = (best[(k, long)] - best[(k, short)]) / (long - short)
       table.add(k, r, cache_length, slope if slope > 0 else best[(k, long)] / long)  # noise
+      # The state is prefilled without depths, so a K > 0 segment first computes them over
+      # the prompt, as a call's first segment with K drafts does: its fixed cost beyond K = 0's.
+      intercept[k] = best[(k, short)] - short * table.lookup(k, r, cache_length)
     table.overhead[r] = best[(0, 0)]
+    for k in range(1, k_max + 1):
+      table.start[(k, r)] = max(0.0, intercept[k] - intercept[0])
   logging.info("adaptive decoding cost table (seconds per iteration): %s; segment call "
-               "overhead by rows: %s", table.to_json(), table.overhead)
+               "overhead by rows: %s; start cost by (K, rows): %s", table.to_json(),
+               table.overhead, table.start)
   return table
 
 
@@ -487,6 +520,30 @@ def decode(graphdef, state, s: speculative.DecodeState, *, params: sampling.Samp
                 observe=observe)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_length",
+                                             "params", "stop_tokens", "depths"))
+def _autoregressive_call(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                         rng: jax.Array, row_stops: jax.Array | None, *, max_new_tokens: int,
+                         cache_length: int, params: sampling.SamplingParams,
+                         stop_tokens: tuple[int, ...], depths: int
+                         ) -> speculative.SpeculativeOutput:
+  """A whole single-turn call at K = 0 as the autoregressive program itself (no decoding
+  state for drafts, nothing kept for a later segment), its output in speculative decoding's
+  form: every token after the first came from one target forward, no draft was attempted."""
+  g = autoregressive.generate(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                              max_new_tokens=max_new_tokens, cache_length=cache_length,
+                              params=params, stop_tokens=stop_tokens, row_stops=row_stops)
+  b, p = prompt_tokens.shape
+  steps = jnp.maximum(g.lengths - 1, 0)  # the first token comes from the prefill
+  none = jnp.zeros((b, depths), jnp.int32)
+  return speculative.SpeculativeOutput(
+      tokens=g.tokens, lengths=g.lengths,
+      policy_mask=jnp.arange(max_new_tokens)[None, :] < g.lengths[:, None],
+      logprobs=g.logprobs, entropy=g.entropy, attempted=none, accepted=none,
+      emitted_by_forwards=steps, frontier_depths=jnp.zeros((b, p + max_new_tokens), jnp.int32),
+      row_forwards=steps, target_forwards=g.target_forwards)
+
+
 def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
            rng: jax.Array, *, max_new_tokens: int, cache_length: int,
            params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
@@ -511,17 +568,36 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
         settings=settings, rows=buckets, params=params, mode=mode, draft_vocab=draft_vocab,
         cache_length=cache_length, batch=b, max_new_tokens=max_new_tokens, depths=depths)
   k = (schedule(0) if schedule is not None else
-       choose_k(estimate, table, b, cache_length, settings.k_max))
+       choose_k(estimate, table, b, cache_length, settings.k_max,
+                call_tokens=table.tokens_per_row or max_new_tokens))
   iterations = _segment_length(k, None, 0, table, b, cache_length, settings)
+  stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
+                calibration_s=calibration_s)
+  if k == 0 and not whole_state and schedule is None and iterations >= max_new_tokens - 1:
+    # The first segment would run the whole call without drafting: the autoregressive
+    # program, which carries no state for drafts (the disabled path skips the speculative
+    # machinery entirely, as vLLM found it must).
+    out = _autoregressive_call(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                               row_stops, max_new_tokens=max_new_tokens,
+                               cache_length=cache_length, params=params,
+                               stop_tokens=tuple(stop_tokens), depths=depths)
+    forwards, lengths = jax.device_get((out.target_forwards, out.lengths))
+    stats.k_iterations[0] = int(forwards)
+    stats.segments.append((0, b, b))
+    stats.alphas = [float(a) for a in estimate.alphas]
+    if observe:
+      table.observe_call(float(np.mean(lengths)), settings.smoothing)
+    return out, stats
   s = speculative.first_segment(graphdef, state, prompt_tokens, prompt_lengths, rng,
                                 np.int32(iterations), k=k, mode=mode,
                                 draft_vocab=draft_vocab, **kw)
-  stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
-                calibration_s=calibration_s)
-  return _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
-                estimate=estimate, table=table, schedule=schedule, whole_state=whole_state,
-                draft_vocab=draft_vocab, buckets=buckets, stats=stats,
-                first=(k, iterations), observe=observe)
+  out, stats = _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
+                      estimate=estimate, table=table, schedule=schedule,
+                      whole_state=whole_state, draft_vocab=draft_vocab, buckets=buckets,
+                      stats=stats, first=(k, iterations), observe=observe)
+  if observe and not whole_state:
+    table.observe_call(float(np.mean(jax.device_get(out.lengths))), settings.smoothing)
+  return out, stats
 
 
 def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,

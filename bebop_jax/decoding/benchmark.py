@@ -262,6 +262,7 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
         {"k_iterations": dict(sorted(k_iterations.items())), "seed": seed,
          "cost_table": last[0].table.to_json(),
          "segment_overhead_s": last[0].to_json()["segment_overhead_s"],
+         "start_cost_s": last[0].to_json()["start_cost_s"],
          "seconds": round_["adaptive"][0],
          "ar_seconds": round_["autoregressive"][0]})
   return out
