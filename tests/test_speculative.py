@@ -451,6 +451,19 @@ def test_an_adaptive_call_that_never_drafts_is_the_autoregressive_program():
   np.testing.assert_array_equal(np.asarray(out.row_forwards), n - 1)
   np.testing.assert_array_equal(np.asarray(out.policy_mask).sum(1), n)
   assert st.k_iterations == {0: int(ar.target_forwards)} and st.segments == [(0, 2, 2)]
+  # One row, segments shorter than the budget (no call cost measured): the batch cannot
+  # shrink and nothing is drafted, so no later decision could differ: the same program.
+  one = adaptive.CostTable(seconds={(k, 1, 64): s for (k, _, _), s in table.seconds.items()})
+  out1, st1 = adaptive.generate(
+      GRAPHDEF, STATE, tokens[:1], lengths[:1], jax.random.key(5), max_new_tokens=24,
+      cache_length=64, params=params, mode="rejection", stop_tokens=STOP,
+      settings=adaptive.Settings(k_max=2, segment=4), table=one)
+  ar1 = autoregressive.generate(GRAPHDEF, STATE, tokens[:1], lengths[:1], jax.random.key(5),
+                                max_new_tokens=24, cache_length=64, params=params,
+                                stop_tokens=STOP)
+  assert speculative.first_segment._cache_size() == compiled  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(out1.tokens), np.asarray(ar1.tokens))
+  assert st1.segments == [(0, 1, 1)]
 
 
 def test_depth_caches_catch_up_after_segments_with_fewer_drafts():

@@ -331,9 +331,11 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
   A K's cost is the slope between a segment of about `iterations` * (k_max + 1) / (K + 1)
   iterations (as many as no row can finish in: every K's segment emits about as many
   tokens) and one a quarter as long; the difference cancels the call's fixed cost, which
-  would otherwise flatter the costlier K. The fixed cost is a call of no iterations and its
-  host round trip. Each program runs once to compile; then `CALIBRATION_ROUNDS` rounds time
-  every (K, length) once each, interleaved, and the best of each counts."""
+  would otherwise flatter the costlier K. A K's start cost (`CostTable.start`) is one
+  iteration's time beyond its slope, less K = 0's. The fixed cost is a call of no
+  iterations and its host round trip. Each program runs once to compile; then
+  `CALIBRATION_ROUNDS` rounds time every (K, length) once each, interleaved, and the best
+  of each counts."""
   b = s0.seq.shape[0]
   cache_length = s0.cache.length
 
@@ -358,7 +360,9 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
       room = (s0.out.tokens.shape[1] - 1) // (k + 1)
       long = max(2, min(iterations * (k_max + 1) // (k + 1), room))
       lengths[k] = (max(1, long // 4), long)
-      runs += [(k, n) for n in lengths[k] if (k, n) not in runs]
+      # One iteration on the state as prefilled: the call's fixed cost at K, the depth
+      # caches over the prompt included (the start cost below).
+      runs += [(k, n) for n in (1, *lengths[k]) if (k, n) not in runs]
     for run in runs:  # compiles each K's program and warms it
       seconds(base, *run)
     # Rounds over every run, alternating direction: a burst of load from elsewhere falls on
@@ -372,8 +376,10 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
       slope = (best[(k, long)] - best[(k, short)]) / (long - short)
       table.add(k, r, cache_length, slope if slope > 0 else best[(k, long)] / long)  # noise
       # The state is prefilled without depths, so a K > 0 segment first computes them over
-      # the prompt, as a call's first segment with K drafts does: its fixed cost beyond K = 0's.
-      intercept[k] = best[(k, short)] - short * table.lookup(k, r, cache_length)
+      # the prompt, as a call's first segment with K drafts does: its fixed cost beyond K = 0's
+      # is what one iteration costs beyond its slope (measured directly: an intercept
+      # extrapolated from longer segments would carry their slope's noise many times over).
+      intercept[k] = best[(k, 1)] - table.lookup(k, r, cache_length)
     table.overhead[r] = best[(0, 0)]
     for k in range(1, k_max + 1):
       table.start[(k, r)] = max(0.0, intercept[k] - intercept[0])
@@ -573,10 +579,12 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   iterations = _segment_length(k, None, 0, table, b, cache_length, settings)
   stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
                 calibration_s=calibration_s)
-  if k == 0 and not whole_state and schedule is None and iterations >= max_new_tokens - 1:
-    # The first segment would run the whole call without drafting: the autoregressive
-    # program, which carries no state for drafts (the disabled path skips the speculative
-    # machinery entirely, as vLLM found it must).
+  if (k == 0 and not whole_state and schedule is None and
+      (iterations >= max_new_tokens - 1 or len(buckets) == 1)):
+    # The first segment would run the whole call without drafting, or no later decision
+    # could differ (nothing drafted, so no acceptance observed; a batch that cannot shrink):
+    # the autoregressive program, which carries no state for drafts (the disabled path
+    # skips the speculative machinery entirely, as vLLM found it must).
     out = _autoregressive_call(graphdef, state, prompt_tokens, prompt_lengths, rng,
                                row_stops, max_new_tokens=max_new_tokens,
                                cache_length=cache_length, params=params,
