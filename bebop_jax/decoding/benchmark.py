@@ -199,6 +199,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
         if stats is not None:
           row.update(k_iterations=stats["k_iterations"], cost_table=stats["cost_table"],
                      segment_overhead_s=stats["segment_overhead_s"],
+                     start_cost_s=stats["start_cost_s"],
                      adaptive_seed=stats["seed"], spec_seconds_own_round=stats["seconds"],
                      ar_seconds_own_round=stats["ar_seconds"])
         if fixed is not None and (mode, label, k) in fixed:
