@@ -550,3 +550,8 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
   assert any(batch == 1 for _, st_ in runs for _, _, batch in st_.segments)  # rows left
   assert sum(st2.k_iterations.values()) == int(out2.target_forwards)
   assert all(0 <= k <= 1 for k in st2.k_iterations)
+  # Every call is counted by its first K, and from each K's second call on its measured
+  # seconds correct the model (call residuals); the prefill was timed with the table.
+  table = st.table
+  assert sum(table.calls.values()) == 5 and table.prefill > 0
+  assert set(table.call_residual) == {k for k, n in table.calls.items() if n >= 2}

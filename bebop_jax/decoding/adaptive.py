@@ -103,6 +103,15 @@ class CostTable:
   # Tokens a row emits per call, an exponential moving average over the calls run so far
   # (None before the first): what a first segment's start cost is spread over.
   tokens_per_row: float | None = None
+  # Seconds of the prefill of a call of these shapes (measured once): the part of a call
+  # that no K changes.
+  prefill: float = 0.0
+  # What the rule's model of a whole call misses, per first K: an exponential moving average
+  # of a call's measured seconds less `call_seconds` for it ({k: seconds}; a K absent has
+  # not been measured and counts 0), and how many calls began with each K (the first is not
+  # measured: it may include compiling that K's first program).
+  call_residual: dict[int, float] = dataclasses.field(default_factory=dict)
+  calls: dict[int, int] = dataclasses.field(default_factory=dict)
 
   def add(self, k: int, rows: int, bucket: int, seconds: float) -> None:
     if seconds <= 0:
@@ -135,10 +144,31 @@ class CostTable:
     sizes = sorted({r for kk, r in self.start if kk == k})
     return self.start[(k, _at_least(sizes, rows))] if sizes else 0.0
 
-  def observe_call(self, tokens_per_row: float, weight: float) -> None:
-    """Moves `tokens_per_row` towards a finished call's mean completion length."""
+  def call_seconds(self, k: int, rows: int, bucket: int, alphas: Sequence[float],
+                   call_tokens: float) -> float:
+    """The modelled seconds of a call of `rows` rows that emits `call_tokens` per row with
+    K = k throughout: the prefill, one segment call's fixed cost, K's start cost and
+    call_tokens / E(K) iterations."""
+    over = self.overhead[_at_least(sorted(self.overhead), rows)] if self.overhead else 0.0
+    return (self.prefill + over + self.start_cost(k, rows) + max(call_tokens, 1.0) /
+            expected_tokens(alphas, k) * self.lookup(k, rows, bucket))
+
+  def observe_call(self, tokens_per_row: float, weight: float, k: int | None = None,
+                   seconds: float | None = None, modelled: float | None = None) -> None:
+    """Moves `tokens_per_row` towards a finished call's mean completion length and, given
+    the call's first K, its measured `seconds` and the `modelled` seconds it was chosen by,
+    moves K's call residual towards their difference (from K's second call on)."""
     self.tokens_per_row = (float(tokens_per_row) if self.tokens_per_row is None else
                            (1 - weight) * self.tokens_per_row + weight * tokens_per_row)
+    if k is None:
+      return
+    seen = self.calls.get(k, 0)
+    self.calls[k] = seen + 1
+    if seen == 0:
+      return
+    miss = float(seconds) - float(modelled)
+    self.call_residual[k] = (miss if k not in self.call_residual else
+                             (1 - weight) * self.call_residual[k] + weight * miss)
 
   def min_iterations(self, k: int, rows: int, bucket: int, host_fraction: float) -> int:
     """The fewest iterations of k drafts whose time the segment call's overhead is at most
@@ -160,17 +190,22 @@ def _at_least(values: Sequence[int], want: int) -> int:
 
 def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: int,
              k_max: int, call_tokens: float | None = None) -> int:
-  """The K in 0..k_max of the most expected tokens per second (ties: the smaller K). With
-  `call_tokens` (a call's first segment: the tokens a row is expected to emit in the call),
-  K's start cost (`CostTable.start`) is spread over the call's expected iterations at K,
-  call_tokens / E(K): a short call does not pay for computing the depth caches."""
+  """The K in 0..k_max of the most expected tokens per second (ties: the smaller K).
+
+  With `call_tokens` (a call's first segment: the tokens a row is expected to emit in the
+  call), the whole call is costed instead: `CostTable.call_seconds` (K's start cost, the
+  depth caches over the prompt, spread over the call's call_tokens / E(K) iterations, so a
+  short call does not pay for them) plus K's call residual, what measured calls that began
+  with K took beyond the model. A K whose calls keep costing more than modelled (at small
+  batch, fixed costs the per-iteration table does not see) loses to one that delivers."""
   best_k, best_rate = 0, -1.0
   for k in range(k_max + 1):
     tokens = expected_tokens(estimate.alphas, k)
-    cost = table.lookup(k, rows, bucket)
     if call_tokens:
-      cost += table.start_cost(k, rows) * tokens / max(call_tokens, 1.0)
-    rate = tokens / cost
+      rate = 1.0 / max(table.call_seconds(k, rows, bucket, estimate.alphas, call_tokens) +
+                       table.call_residual.get(k, 0.0), 1e-12)
+    else:
+      rate = tokens / table.lookup(k, rows, bucket)
     if rate > best_rate * (1 + 1e-12):
       best_k, best_rate = k, rate
   return best_k
@@ -229,6 +264,8 @@ class Stats:
             "segment_overhead_s": {str(r): v for r, v in sorted(self.table.overhead.items())},
             "start_cost_s": {f"k{k}_rows{r}": v for (k, r), v in sorted(self.table.start.items())},
             "tokens_per_row": self.table.tokens_per_row,
+            "prefill_s": self.table.prefill,
+            "call_residual_s": {str(k): v for k, v in sorted(self.table.call_residual.items())},
             "acceptance_estimate": self.alphas, "calibration_s": self.calibration_s}
 
 
@@ -408,9 +445,15 @@ def _table(graphdef, state, make_state: Callable[[], speculative.DecodeState], *
     return tables[key], 0.0
   t0 = time.perf_counter()
   if settings.calibrate:
-    table = calibrate(graphdef, state, make_state(), rows=rows, k_max=settings.k_max,
+    prefill = math.inf  # the best of three prefills after the one that compiles
+    for i in range(4):
+      t1 = time.perf_counter()
+      s0 = jax.block_until_ready(make_state())
+      prefill = prefill if i == 0 else min(prefill, time.perf_counter() - t1)
+    table = calibrate(graphdef, state, s0, rows=rows, k_max=settings.k_max,
                       iterations=settings.calibration_iterations, params=params, mode=mode,
                       draft_vocab=draft_vocab)
+    table.prefill = prefill
   else:
     from flax import nnx  # pylint: disable=g-import-not-at-top
     table = weight_read_costs(nnx.merge(graphdef, state).config, rows, cache_length,
@@ -573,10 +616,15 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                                     draft_prefill=False, **kw),
         settings=settings, rows=buckets, params=params, mode=mode, draft_vocab=draft_vocab,
         cache_length=cache_length, batch=b, max_new_tokens=max_new_tokens, depths=depths)
+  call_tokens = table.tokens_per_row or max_new_tokens
   k = (schedule(0) if schedule is not None else
-       choose_k(estimate, table, b, cache_length, settings.k_max,
-                call_tokens=table.tokens_per_row or max_new_tokens))
+       choose_k(estimate, table, b, cache_length, settings.k_max, call_tokens=call_tokens))
   iterations = _segment_length(k, None, 0, table, b, cache_length, settings)
+  # The call's measured seconds (its prefill to its lengths on the host) correct K's call
+  # residual (single-turn calls).
+  observe_call = (functools.partial(_observe_call, table, k=k, start=time.perf_counter(),
+                                    settings=settings, rows=b, bucket=cache_length)
+                  if observe and not whole_state else None)
   stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
                 calibration_s=calibration_s)
   if (k == 0 and not whole_state and schedule is None and
@@ -593,8 +641,8 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
     stats.k_iterations[0] = int(forwards)
     stats.segments.append((0, b, b))
     stats.alphas = [float(a) for a in estimate.alphas]
-    if observe:
-      table.observe_call(float(np.mean(lengths)), settings.smoothing)
+    if observe_call:
+      observe_call(lengths, stats)
     return out, stats
   s = speculative.first_segment(graphdef, state, prompt_tokens, prompt_lengths, rng,
                                 np.int32(iterations), k=k, mode=mode,
@@ -603,9 +651,22 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                       estimate=estimate, table=table, schedule=schedule,
                       whole_state=whole_state, draft_vocab=draft_vocab, buckets=buckets,
                       stats=stats, first=(k, iterations), observe=observe)
-  if observe and not whole_state:
-    table.observe_call(float(np.mean(jax.device_get(out.lengths))), settings.smoothing)
+  if observe_call:
+    observe_call(jax.device_get(out.lengths), stats)
   return out, stats
+
+
+def _observe_call(table: CostTable, lengths: np.ndarray, stats: Stats, *, k: int,
+                  start: float, settings: Settings, rows: int, bucket: int) -> None:
+  """A finished single-turn call (its lengths fetched) into the table: its mean length and,
+  for its first K, its seconds since `start` against what the model gives for the
+  iterations it ran (`CostTable.call_seconds`' terms with the iterations counted, not
+  expected, so a call's length does not count as the model's error)."""
+  over = table.overhead[_at_least(sorted(table.overhead), rows)] if table.overhead else 0.0
+  modelled = table.prefill + over + table.start_cost(k, rows) + sum(
+      n * table.lookup(kk, rows, bucket) for kk, n in stats.k_iterations.items())
+  table.observe_call(float(np.mean(lengths)), settings.smoothing, k=k,
+                     seconds=time.perf_counter() - start, modelled=modelled)
 
 
 def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,

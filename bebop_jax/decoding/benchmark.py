@@ -199,7 +199,8 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
         if stats is not None:
           row.update(k_iterations=stats["k_iterations"], cost_table=stats["cost_table"],
                      segment_overhead_s=stats["segment_overhead_s"],
-                     start_cost_s=stats["start_cost_s"],
+                     start_cost_s=stats["start_cost_s"], prefill_s=stats["prefill_s"],
+                     call_residual_s=stats["call_residual_s"],
                      adaptive_seed=stats["seed"], spec_seconds_own_round=stats["seconds"],
                      ar_seconds_own_round=stats["ar_seconds"])
         if fixed is not None and (mode, label, k) in fixed:
@@ -263,7 +264,8 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
         {"k_iterations": dict(sorted(k_iterations.items())), "seed": seed,
          "cost_table": last[0].table.to_json(),
          "segment_overhead_s": last[0].to_json()["segment_overhead_s"],
-         "start_cost_s": last[0].to_json()["start_cost_s"],
+         **{key: last[-1].to_json()[key] for key in ("start_cost_s", "prefill_s",
+                                                      "call_residual_s")},
          "seconds": round_["adaptive"][0],
          "ar_seconds": round_["autoregressive"][0]})
   return out
