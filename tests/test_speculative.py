@@ -433,7 +433,9 @@ def test_an_adaptive_call_that_never_drafts_is_the_autoregressive_program():
   for k, seconds in enumerate((1e-4, 1.0, 1.0)):  # drafting never pays
     table.add(k, 2, 64, seconds)
   table.overhead[2] = 1.0  # a segment call's fixed cost: the floor covers the budget
-  compiled = speculative.first_segment._cache_size()  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  compiled = lambda: (speculative.prefill._cache_size(), speculative.segment._cache_size())
+  before = compiled()
   out, st = adaptive.generate(
       GRAPHDEF, STATE, tokens, lengths, jax.random.key(5), max_new_tokens=24,
       cache_length=64, params=params, mode="rejection", stop_tokens=STOP,
@@ -441,7 +443,7 @@ def test_an_adaptive_call_that_never_drafts_is_the_autoregressive_program():
   ar = autoregressive.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(5),
                                max_new_tokens=24, cache_length=64, params=params,
                                stop_tokens=STOP)
-  assert speculative.first_segment._cache_size() == compiled  # pylint: disable=protected-access
+  assert compiled() == before
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
   np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ar.logprobs))
@@ -461,7 +463,7 @@ def test_an_adaptive_call_that_never_drafts_is_the_autoregressive_program():
   ar1 = autoregressive.generate(GRAPHDEF, STATE, tokens[:1], lengths[:1], jax.random.key(5),
                                 max_new_tokens=24, cache_length=64, params=params,
                                 stop_tokens=STOP)
-  assert speculative.first_segment._cache_size() == compiled  # pylint: disable=protected-access
+  assert compiled() == before
   np.testing.assert_array_equal(np.asarray(out1.tokens), np.asarray(ar1.tokens))
   assert st1.segments == [(0, 1, 1)]
 

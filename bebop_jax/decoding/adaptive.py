@@ -28,7 +28,11 @@ each K at each batch bucket, on a scratch copy of the prefilled state), or, with
 off, modelled from weight reads (`weight_read_costs`). The calibration times its programs
 in interleaved rounds, and every full segment the loop runs afterwards moves its K's entry
 towards the time it took (`CostTable.observe`), so a table skewed by a burst of load
-elsewhere is corrected as the run goes.
+elsewhere is corrected as the run goes. A call's first K is chosen by the whole call's
+cost (`CostTable.call_seconds`: prefill, fixed cost, the depth caches' start cost and the
+expected iterations) plus what measured calls that began with that K took beyond the model
+(`CostTable.call_residual`), so at small batch, where a call is short and mostly fixed
+costs the per-iteration table does not see, a K that loses in practice stops being chosen.
 
 The choice depends only on the past (acceptance already observed, costs measured before),
 so switching K between iterations leaves the output law unchanged: every iteration is an
@@ -488,7 +492,7 @@ def _drive(graphdef, state, s: speculative.DecodeState, *, params, mode, setting
            observe: bool) -> tuple[speculative.DecodeState | speculative.SpeculativeOutput,
                                    Stats]:
   """The segment loop of `decode` and `generate` on `s` (donated). `first` = (K, iterations)
-  when `s` has already run its first segment from a fresh prefill (`first_segment`).
+  when `s` has already run its first segment from a fresh prefill.
   `observe`: correct the (calibrated) table with each full segment's measured time."""
   b = s.seq.shape[0]
   part = (lambda st: st) if whole_state else (lambda st: st.out)
@@ -598,8 +602,8 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
            params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
            settings: Settings, row_stops: jax.Array | None, max_turn_tokens: int | None,
            whole_state: bool, acceptance=None, draft_vocab=None, table=None, schedule=None):
-  """Prefill and the first segment in one program (speculative.first_segment), with K
-  chosen for the whole batch before it, then the segment loop."""
+  """The prefill and the first segment, with K chosen for the whole batch before them (or
+  the autoregressive program, when nothing would draft), then the segment loop."""
   b = prompt_tokens.shape[0]
   depths = max(settings.k_max, 1)
   buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
@@ -644,9 +648,13 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
     if observe_call:
       observe_call(lengths, stats)
     return out, stats
-  s = speculative.first_segment(graphdef, state, prompt_tokens, prompt_lengths, rng,
-                                np.int32(iterations), k=k, mode=mode,
-                                draft_vocab=draft_vocab, **kw)
+  # The prefill (main cache only) and the first segment: the programs the calibration
+  # compiled and timed, so whichever K a call begins with compiles nothing new, and the
+  # depth caches over the prompt cost what `CostTable.start` measured.
+  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                          draft_prefill=False, **kw)
+  s = speculative.segment(graphdef, state, s, np.int32(iterations), k=k, params=params,
+                          mode=mode, draft_vocab=draft_vocab)
   out, stats = _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
                       estimate=estimate, table=table, schedule=schedule,
                       whole_state=whole_state, draft_vocab=draft_vocab, buckets=buckets,

@@ -155,6 +155,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
                 best_times(loops(1), batches, repeats).items()} if split_fixed_cost else None)
       ar_time, ar = timed.pop("autoregressive")
       if adaptive_settings is not None:
+        release_compiled()  # the fixed-K loops are not used again (see release_compiled)
         timed.update(_adaptive_round(graphdef, state, batches, timed, k_drafter=k_drafter,
                                      params=params, max_new=max_new, stop=stop,
                                      repeats=repeats, settings=adaptive_settings,
@@ -254,6 +255,7 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
         cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop),
            "adaptive": run}
     round_ = best_times(fns, batches, repeats)
+    release_compiled()  # this mode's programs are not used again
     last = stats[-len(batches):]  # the last pass's calls
     k_iterations = {}
     for st in last:

@@ -598,29 +598,3 @@ def _segment(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState
 segment = _ModeArgument(jax.jit(
     _segment, static_argnames=("graphdef", "params", "program", "k", "catch_up_chunk"),
     donate_argnames=("decode_state",)))
-
-
-def _first_segment(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
-                   prompt_lengths: jax.Array, rng: jax.Array, iterations: jax.Array, *,
-                   k: int, max_new_tokens: int, cache_length: int,
-                   params: sampling.SamplingParams, program: str, mode_index: jax.Array,
-                   stop_tokens: Sequence[int], row_stops: jax.Array | None = None,
-                   num_draft_steps: int | None = None, max_turn_tokens: int | None = None,
-                   draft_vocab: jax.Array | None = None) -> DecodeState:
-  """`prefill` and the first `segment` (k drafts) in one program: an adaptive call whose
-  first choice settles costs one dispatch and one host round trip, as autoregressive
-  decoding does. The depths are prefilled only when k > 0 (else caught up later).
-  Compiled once per (k, B, P) and settings."""
-  model = nnx.merge(graphdef, state)
-  w = model.loop_weights()
-  s = _start(model, w, prompt_tokens, prompt_lengths, rng,
-             k=_num_drafts(model, num_draft_steps), max_new_tokens=max_new_tokens,
-             cache_length=cache_length, params=params, stop_tokens=stop_tokens,
-             row_stops=row_stops, max_turn_tokens=max_turn_tokens, draft_prefill=k > 0)
-  return _run_segment(model, w, s, iterations, k=k, params=params,
-                      mode=_program_mode(program, mode_index), draft_vocab=draft_vocab,
-                      catch_up_chunk=16)
-
-
-first_segment = _ModeArgument(jax.jit(_first_segment,
-                                      static_argnames=_FIRST_STATIC + ("k",)))
