@@ -153,9 +153,14 @@ class CostTable:
     """The modelled seconds of a call of `rows` rows that emits `call_tokens` per row with
     K = k throughout: the prefill, one segment call's fixed cost, K's start cost and
     call_tokens / E(K) iterations."""
-    over = self.overhead[_at_least(sorted(self.overhead), rows)] if self.overhead else 0.0
-    return (self.prefill + over + self.start_cost(k, rows) + max(call_tokens, 1.0) /
+    return (self.fixed_call_seconds(k, rows) + max(call_tokens, 1.0) /
             expected_tokens(alphas, k) * self.lookup(k, rows, bucket))
+
+  def fixed_call_seconds(self, k: int, rows: int) -> float:
+    """The modelled seconds of a call beginning with K = k besides its iterations: the
+    prefill, one segment call's fixed cost and K's start cost."""
+    over = self.overhead[_at_least(sorted(self.overhead), rows)] if self.overhead else 0.0
+    return self.prefill + over + self.start_cost(k, rows)
 
   def observe_call(self, tokens_per_row: float, weight: float, k: int | None = None,
                    seconds: float | None = None, modelled: float | None = None) -> None:
@@ -670,8 +675,7 @@ def _observe_call(table: CostTable, lengths: np.ndarray, stats: Stats, *, k: int
   for its first K, its seconds since `start` against what the model gives for the
   iterations it ran (`CostTable.call_seconds`' terms with the iterations counted, not
   expected, so a call's length does not count as the model's error)."""
-  over = table.overhead[_at_least(sorted(table.overhead), rows)] if table.overhead else 0.0
-  modelled = table.prefill + over + table.start_cost(k, rows) + sum(
+  modelled = table.fixed_call_seconds(k, rows) + sum(
       n * table.lookup(kk, rows, bucket) for kk, n in stats.k_iterations.items())
   table.observe_call(float(np.mean(lengths)), settings.smoothing, k=k,
                      seconds=time.perf_counter() - start, modelled=modelled)
