@@ -95,6 +95,9 @@ class AcceptanceEstimate:
     self._seen |= seen
 
 
+CALL_WINDOW = 8  # the recent calls per first K whose misses `CostTable.call_residual` reads
+
+
 @dataclasses.dataclass
 class CostTable:
   """Seconds per iteration, {(k, rows, bucket): seconds}, measured in-process, and the fixed
@@ -110,11 +113,11 @@ class CostTable:
   # Seconds of the prefill of a call of these shapes (measured once): the part of a call
   # that no K changes.
   prefill: float = 0.0
-  # What the rule's model of a whole call misses, per first K: an exponential moving average
-  # of a call's measured seconds less `call_seconds` for it ({k: seconds}; a K absent has
-  # not been measured and counts 0), and how many calls began with each K (the first is not
-  # measured: it may include compiling that K's first program).
-  call_residual: dict[int, float] = dataclasses.field(default_factory=dict)
+  # What the rule's model of a whole call misses, per first K: a call's measured seconds
+  # less the model's for the iterations it ran, for the last CALL_WINDOW calls that began
+  # with K ({k: [seconds]}), and how many calls began with each K (the first is not
+  # measured: it may include compiling a program).
+  call_misses: dict[int, list[float]] = dataclasses.field(default_factory=dict)
   calls: dict[int, int] = dataclasses.field(default_factory=dict)
 
   def add(self, k: int, rows: int, bucket: int, seconds: float) -> None:
@@ -165,19 +168,25 @@ class CostTable:
   def observe_call(self, tokens_per_row: float, weight: float, k: int | None = None,
                    seconds: float | None = None, modelled: float | None = None) -> None:
     """Moves `tokens_per_row` towards a finished call's mean completion length and, given
-    the call's first K, its measured `seconds` and the `modelled` seconds it was chosen by,
-    moves K's call residual towards their difference (from K's second call on)."""
+    the call's first K, its measured `seconds` and the `modelled` seconds of what it ran,
+    records their difference among K's last CALL_WINDOW (from K's second call on)."""
     self.tokens_per_row = (float(tokens_per_row) if self.tokens_per_row is None else
                            (1 - weight) * self.tokens_per_row + weight * tokens_per_row)
     if k is None:
       return
     seen = self.calls.get(k, 0)
     self.calls[k] = seen + 1
-    if seen == 0:
-      return
-    miss = float(seconds) - float(modelled)
-    self.call_residual[k] = (miss if k not in self.call_residual else
-                             (1 - weight) * self.call_residual[k] + weight * miss)
+    if seen:
+      misses = self.call_misses.setdefault(k, [])
+      misses.append(float(seconds) - float(modelled))
+      del misses[:-CALL_WINDOW]
+
+  def call_residual(self, k: int) -> float:
+    """What calls that began with K took beyond the model: the least of K's recent misses
+    once two are recorded (load from elsewhere only ever adds time, so one slow call does
+    not rule a K out), else 0 (the model alone)."""
+    misses = self.call_misses.get(k, ())
+    return min(misses) if len(misses) >= 2 else 0.0
 
   def min_iterations(self, k: int, rows: int, bucket: int, host_fraction: float) -> int:
     """The fewest iterations of k drafts whose time the segment call's overhead is at most
@@ -212,7 +221,7 @@ def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: 
     tokens = expected_tokens(estimate.alphas, k)
     if call_tokens:
       rate = 1.0 / max(table.call_seconds(k, rows, bucket, estimate.alphas, call_tokens) +
-                       table.call_residual.get(k, 0.0), 1e-12)
+                       table.call_residual(k), 1e-12)
     else:
       rate = tokens / table.lookup(k, rows, bucket)
     if rate > best_rate * (1 + 1e-12):
@@ -274,7 +283,8 @@ class Stats:
             "start_cost_s": {f"k{k}_rows{r}": v for (k, r), v in sorted(self.table.start.items())},
             "tokens_per_row": self.table.tokens_per_row,
             "prefill_s": self.table.prefill,
-            "call_residual_s": {str(k): v for k, v in sorted(self.table.call_residual.items())},
+            "call_residual_s": {str(k): self.table.call_residual(k)
+                                for k in sorted(self.table.call_misses)},
             "acceptance_estimate": self.alphas, "calibration_s": self.calibration_s}
 
 
@@ -306,6 +316,18 @@ def _rows_impl(tree, index: jax.Array, batch: int):
 # Every leaf with a leading batch axis of size `batch`, at rows `index` (one program per
 # batch and number of rows kept; compiled ahead by `_warm_compaction`).
 _rows = jax.jit(_rows_impl, static_argnames=("batch",))
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _calibration_state(s0: speculative.DecodeState, rows: int) -> speculative.DecodeState:
+  """The first `rows` rows of a prefilled state, every row live and without a stop token:
+  what the calibration times. Built in one program, so its arrays are placed as a live
+  call's are (outputs of a program), and the segment programs the calibration compiles are
+  the ones the calls run (an array created outside a program is uncommitted, and would
+  compile a program of its own)."""
+  base = _rows_impl(s0, jnp.arange(rows, dtype=jnp.int32), s0.seq.shape[0])
+  return base.replace(done=jnp.zeros((rows,), bool), stop=jnp.full_like(base.stop, -1),
+                      limit=jnp.full((rows,), s0.out.tokens.shape[1], jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -396,9 +418,7 @@ def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[in
 
   table = CostTable()
   for r in sorted(rows, reverse=True):
-    base = _rows(s0, np.arange(r, dtype=np.int32), batch=b)
-    base = base.replace(done=jnp.zeros((r,), bool), stop=jnp.full_like(base.stop, -1),
-                        limit=jnp.full((r,), s0.out.tokens.shape[1], jnp.int32))
+    base = _calibration_state(s0, rows=r)
     runs, lengths = [(0, 0)], {}  # (K, iterations); (0, 0): the call's fixed cost
     for k in range(k_max + 1):
       # As many iterations as no row can finish in (up to `iterations` per unit of
