@@ -645,6 +645,15 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                                     draft_prefill=False, **kw),
         settings=settings, rows=buckets, params=params, mode=mode, draft_vocab=draft_vocab,
         cache_length=cache_length, batch=b, max_new_tokens=max_new_tokens, depths=depths)
+  if calibration_s and settings.calibrate and not whole_state:
+    # A fresh calibration also compiles the disabled path's program (below), so that no
+    # later call of these shapes compiles, whichever K it begins with.
+    t0 = time.perf_counter()
+    jax.block_until_ready(_autoregressive_call(
+        graphdef, state, prompt_tokens, prompt_lengths, rng, row_stops,
+        max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
+        stop_tokens=tuple(stop_tokens), depths=depths))
+    calibration_s += time.perf_counter() - t0
   call_tokens = table.tokens_per_row or max_new_tokens
   k = (schedule(0) if schedule is not None else
        choose_k(estimate, table, b, cache_length, settings.k_max, call_tokens=call_tokens))
