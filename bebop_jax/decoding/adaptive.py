@@ -218,12 +218,11 @@ def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: 
   batch, fixed costs the per-iteration table does not see) loses to one that delivers."""
   best_k, best_rate = 0, -1.0
   for k in range(k_max + 1):
-    tokens = expected_tokens(estimate.alphas, k)
     if call_tokens:
       rate = 1.0 / max(table.call_seconds(k, rows, bucket, estimate.alphas, call_tokens) +
                        table.call_residual(k), 1e-12)
     else:
-      rate = tokens / table.lookup(k, rows, bucket)
+      rate = expected_tokens(estimate.alphas, k) / table.lookup(k, rows, bucket)
     if rate > best_rate * (1 + 1e-12):
       best_k, best_rate = k, rate
   return best_k
