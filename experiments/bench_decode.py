@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 
 import jax
 from absl import app, flags
@@ -129,7 +131,8 @@ def main(argv):
   out = _OUT.value or os.path.join(_WORKDIR.value or ".", "bench_decode.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as f:
-    json.dump({"model": source, "device": jax.devices()[0].device_kind,
+    json.dump({"command": shlex.join(["python", "experiments/bench_decode.py", *sys.argv[1:]]),
+               "model": source, "device": jax.devices()[0].device_kind,
                "max_new_tokens": _MAX_NEW.value, "results": results,
                **({"draft_vocab_coverage": coverage} if coverage else {}), **episodes}, f,
               indent=2)

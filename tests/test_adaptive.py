@@ -80,11 +80,10 @@ def test_a_short_call_does_not_pay_for_the_depth_caches():
 
 
 def test_calls_that_cost_more_than_modelled_move_the_choice():
-  """A call's first K is chosen by its modelled seconds plus K's call residual: the first
-  call of a K is not measured (it may compile), the residual is the least of K's last
-  CALL_WINDOW misses once two are recorded (one slow call does not rule K out), and a K
-  whose calls keep costing more than modelled loses to one not yet measured (which counts
-  the model alone)."""
+  """A call's first K is chosen by its modelled seconds plus K's call residual: the least
+  of K's last CALL_WINDOW misses once two are recorded (one slow call does not rule K
+  out), and a K whose calls keep costing more than modelled loses to one not yet measured
+  (which counts the model alone)."""
   table = _table({1: [1.0, 1.2, 1.4, 1.6]})
   table.prefill, table.overhead[1] = 5.0, 0.5
   good = adaptive.AcceptanceEstimate([0.9, 0.9, 0.9])
@@ -93,9 +92,8 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   assert modelled[0] == pytest.approx(5.0 + 0.5 + 64 * 1.0)
   assert modelled[3] == pytest.approx(5.5 + 64 / adaptive.expected_tokens(good.alphas, 3) * 1.6)
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=tokens) == 3
-  table.observe_call(tokens, 0.5, k=3, seconds=1000.0, modelled=modelled[3])  # compiled
   table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 30.0, modelled=modelled[3])
-  assert table.calls == {3: 2} and table.call_misses[3] == [pytest.approx(30.0)]
+  assert table.calls == {3: 1} and table.call_misses[3] == [pytest.approx(30.0)]
   assert table.call_residual(3) == 0.0  # one miss: the model alone still
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=tokens) == 3
   table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 25.0, modelled=modelled[3])
@@ -110,6 +108,13 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   assert len(table.call_misses[3]) == adaptive.CALL_WINDOW
   # Without a call length (a later segment) the per-iteration rule is unchanged.
   assert adaptive.choose_k(good, table, 1, 256, 3) == 3
+  # A new prompt bucket's table starts from this one's call length and misses (copies).
+  other = _table({1: [1.0, 1.2, 1.4, 1.6]})
+  other.seed_from(table)
+  assert other.tokens_per_row == table.tokens_per_row and other.calls == {}
+  assert other.call_residual(3) == pytest.approx(40.0)
+  other.observe_call(tokens, 0.5, k=3, seconds=modelled[3], modelled=modelled[3])
+  assert other.call_residual(3) == 0.0 and table.call_residual(3) == pytest.approx(40.0)
 
 
 def test_weight_read_costs_charge_each_depth_a_block_and_the_head():

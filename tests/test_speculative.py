@@ -2,6 +2,7 @@
 
 import functools
 import os
+import time
 import types
 
 import jax
@@ -535,7 +536,20 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
       GRAPHDEF, STATE, tokens, lengths, jax.random.key(seed), max_new_tokens=24,
       cache_length=64, params=sampling.SamplingParams(1.0), mode="rejection",
       stop_tokens=STOP, settings=settings)
-  out, st = run(0)
+  # Every call's seconds count towards its K's call residual, the first call's too: no
+  # program may be traced or compiled inside a call's timed span, only in the calibration
+  # before it.
+  traced = []
+  listener = lambda event, _, **kw: (traced.append(time.perf_counter())
+                                     if event.startswith("/jax/core/compile/") else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    out, st = run(0)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  call = st.table.pending  # the call's measurement, settled during the next call
+  assert traced and call.k_iterations == st.k_iterations and call.end > call.start
+  assert max(traced) < call.start  # the calibration compiled, before the call's span
   assert {(e["k"], e["rows"]) for e in st.table.to_json()} == {(0, 1), (0, 2), (1, 1), (1, 2)}
   assert st.calibration_s > 0
   # pylint: disable=protected-access
@@ -552,9 +566,35 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
   assert any(batch == 1 for _, st_ in runs for _, _, batch in st_.segments)  # rows left
   assert sum(st2.k_iterations.values()) == int(out2.target_forwards)
   assert all(0 <= k <= 1 for k in st2.k_iterations)
-  # Every call is counted by its first K, and from each K's second call on its measured
-  # seconds correct the model (call residuals); the prefill was timed with the table.
+  # Every call is counted by its first K and its measured seconds correct the model (call
+  # residuals); the prefill was timed with the table.
   table = st.table
-  assert sum(table.calls.values()) == 5 and table.prefill > 0
-  assert {k: len(m) for k, m in table.call_misses.items()} == {
-      k: n - 1 for k, n in table.calls.items() if n >= 2}
+  assert sum(table.calls.values()) == 4 and table.pending is not None
+  assert set(table.planned) == {None}  # the next call's first choice, made during this one
+  table.settle()
+  assert sum(table.calls.values()) == 5 and table.prefill > 0 and table.pending is None
+  assert {k: len(m) for k, m in table.call_misses.items()} == table.calls
+
+
+def test_a_new_prompt_bucket_starts_from_the_nearest_buckets_call_experience():
+  """`adaptive._table` per prompt bucket (cache length): a new bucket's table takes the
+  nearest existing bucket's call length and call misses as its prior, copied; tables of
+  other calls (another batch) are not its siblings."""
+  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  settings = adaptive.Settings(k_max=2, calibrate=False)
+  params = sampling.SamplingParams(1.0)
+  table = lambda cache_length, batch=3: adaptive._table(  # pylint: disable=protected-access
+      GRAPHDEF, STATE, None, settings=settings, rows=[batch], params=params,
+      mode="block", draft_vocab=None, cache_length=cache_length, batch=batch,
+      max_new_tokens=17, depths=2)[0]
+  short, long = table(101), table(301)
+  assert long.tokens_per_row is None and not long.call_misses  # nothing to seed from yet
+  short.observe_call(9.0, 0.5, k=1, seconds=2.0, modelled=1.0)
+  long.observe_call(30.0, 0.5, k=2, seconds=5.0, modelled=1.0)
+  near_long = table(251)
+  assert near_long.tokens_per_row == 30.0 and near_long.call_misses == {2: [4.0]}
+  near_long.call_misses[2].append(0.0)
+  assert long.call_misses == {2: [4.0]}  # a copy
+  assert table(121).call_misses == {1: [1.0]}
+  assert table(101) is short  # cached
+  assert table(251, batch=5).tokens_per_row is None  # another batch: no sibling

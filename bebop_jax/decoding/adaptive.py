@@ -98,6 +98,22 @@ class AcceptanceEstimate:
 CALL_WINDOW = 8  # the recent calls per first K whose misses `CostTable.call_residual` reads
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingCall:
+  """A finished single-turn call's measurement, not yet in the table (`CostTable.settle`):
+  its first K, its timed span (from its dispatch to its lengths on the host), its rows'
+  completion lengths, its shapes, the iterations it ran at each K and the weight of its
+  mean length in `CostTable.tokens_per_row` (the acceptance smoothing)."""
+  k: int
+  start: float
+  end: float
+  lengths: np.ndarray
+  rows: int
+  bucket: int
+  k_iterations: dict[int, int]
+  weight: float
+
+
 @dataclasses.dataclass
 class CostTable:
   """Seconds per iteration, {(k, rows, bucket): seconds}, measured in-process, and the fixed
@@ -115,36 +131,54 @@ class CostTable:
   prefill: float = 0.0
   # What the rule's model of a whole call misses, per first K: a call's measured seconds
   # less the model's for the iterations it ran, for the last CALL_WINDOW calls that began
-  # with K ({k: [seconds]}), and how many calls began with each K (the first is not
-  # measured: it may include compiling a program).
+  # with K ({k: [seconds]}), and how many calls began with each K.
   call_misses: dict[int, list[float]] = dataclasses.field(default_factory=dict)
   calls: dict[int, int] = dataclasses.field(default_factory=dict)
+  # The last call's measurement, settled during the next call (`settle`), and the next
+  # call's first (K, iterations), chosen during the last one, per acceptance seed.
+  pending: PendingCall | None = None
+  planned: dict = dataclasses.field(default_factory=dict)
+  # Derived, rebuilt when `seconds` changes: the entry `lookup` reads for (k, rows,
+  # bucket), and `call_model`'s terms.
+  _resolved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+  _call_terms: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
   def add(self, k: int, rows: int, bucket: int, seconds: float) -> None:
     if seconds <= 0:
       raise ValueError(f"seconds={seconds} must be > 0")
     self.seconds[(int(k), int(rows), int(bucket))] = float(seconds)
+    self._resolved.clear()
+    self._call_terms.clear()
+
+  def _entry(self, k: int, rows: int, bucket: int) -> tuple[int, int, int] | None:
+    """The key of `seconds` that (k, rows, bucket) reads (None: no entry for k)."""
+    key = (k, rows, bucket)
+    if key not in self._resolved:
+      entries = [(r, b) for (kk, r, b) in self.seconds if kk == k]
+      if not entries:
+        return None
+      r = _at_least(sorted({r for r, _ in entries}), rows)
+      self._resolved[key] = (k, r, _at_least(sorted({b for rr, b in entries if rr == r}),
+                                             bucket))
+    return self._resolved[key]
 
   def lookup(self, k: int, rows: int, bucket: int) -> float:
     """The cost of k drafts at the smallest measured batch >= rows (the largest when rows
     exceeds them all) and the smallest measured bucket >= bucket (likewise)."""
-    entries = [(r, b) for (kk, r, b) in self.seconds if kk == k]
-    if not entries:
+    entry = self._entry(k, rows, bucket)
+    if entry is None:
       raise KeyError(f"no cost measured for k={k}")
-    r = _at_least(sorted({r for r, _ in entries}), rows)
-    b = _at_least(sorted({b for rr, b in entries if rr == r}), bucket)
-    return self.seconds[(k, r, b)]
+    return self.seconds[entry]
 
   def observe(self, k: int, rows: int, bucket: int, seconds: float, weight: float) -> None:
     """Moves the entry `lookup(k, rows, bucket)` reads towards `seconds` per iteration seen
     in a live segment of that batch (an exponential moving average of weight `weight`), so
     a calibration that noise skewed is corrected by the loop's own timings."""
-    entries = [(r, b) for (kk, r, b) in self.seconds if kk == k]
-    if not entries or seconds <= 0:
+    entry = self._entry(k, rows, bucket)
+    if entry is None or seconds <= 0:
       return
-    r = _at_least(sorted({r for r, _ in entries}), rows)
-    b = _at_least(sorted({b for rr, b in entries if rr == r}), bucket)
-    self.seconds[(k, r, b)] = (1 - weight) * self.seconds[(k, r, b)] + weight * seconds
+    self.seconds[entry] = (1 - weight) * self.seconds[entry] + weight * seconds
+    self._call_terms.clear()
 
   def start_cost(self, k: int, rows: int) -> float:
     """`start` at the smallest measured batch >= rows (0 where none was measured)."""
@@ -156,8 +190,22 @@ class CostTable:
     """The modelled seconds of a call of `rows` rows that emits `call_tokens` per row with
     K = k throughout: the prefill, one segment call's fixed cost, K's start cost and
     call_tokens / E(K) iterations."""
-    return (self.fixed_call_seconds(k, rows) + max(call_tokens, 1.0) /
-            expected_tokens(alphas, k) * self.lookup(k, rows, bucket))
+    fixed, per_token = self.call_model(rows, bucket, tuple(alphas), k)
+    return fixed[k] + max(call_tokens, 1.0) * per_token[k]
+
+  def call_model(self, rows: int, bucket: int, alphas: tuple[float, ...], k_max: int
+                 ) -> tuple[list[float], list[float]]:
+    """`call_seconds`' terms for K = 0..k_max: the fixed seconds of a call beginning with K
+    and the seconds per emitted token, c(K) / E(K), kept until `add` or `observe` changes
+    a cost (a call's first choice reads them on every call; `overhead` and `start` are set
+    by the calibration, before any choice)."""
+    key = (rows, bucket, alphas, k_max, self.prefill)
+    if key not in self._call_terms:
+      self._call_terms[key] = (
+          [self.fixed_call_seconds(k, rows) for k in range(k_max + 1)],
+          [self.lookup(k, rows, bucket) / expected_tokens(alphas, k)
+           for k in range(k_max + 1)])
+    return self._call_terms[key]
 
   def fixed_call_seconds(self, k: int, rows: int) -> float:
     """The modelled seconds of a call beginning with K = k besides its iterations: the
@@ -169,17 +217,36 @@ class CostTable:
                    seconds: float | None = None, modelled: float | None = None) -> None:
     """Moves `tokens_per_row` towards a finished call's mean completion length and, given
     the call's first K, its measured `seconds` and the `modelled` seconds of what it ran,
-    records their difference among K's last CALL_WINDOW (from K's second call on)."""
+    records their difference among K's last CALL_WINDOW. (A call compiles nothing: a fresh
+    calibration compiles every program a call of its shapes can run.)"""
     self.tokens_per_row = (float(tokens_per_row) if self.tokens_per_row is None else
                            (1 - weight) * self.tokens_per_row + weight * tokens_per_row)
     if k is None:
       return
-    seen = self.calls.get(k, 0)
-    self.calls[k] = seen + 1
-    if seen:
-      misses = self.call_misses.setdefault(k, [])
-      misses.append(float(seconds) - float(modelled))
-      del misses[:-CALL_WINDOW]
+    self.calls[k] = self.calls.get(k, 0) + 1
+    misses = self.call_misses.setdefault(k, [])
+    misses.append(float(seconds) - float(modelled))
+    del misses[:-CALL_WINDOW]
+
+  def settle(self) -> None:
+    """The pending call into the table (`observe_call`): its seconds against the model's for
+    the iterations it actually ran (`call_seconds`' terms with the iterations counted, not
+    expected, so a call's length does not count as the model's error)."""
+    call, self.pending = self.pending, None
+    if call is None:
+      return
+    modelled = self.fixed_call_seconds(call.k, call.rows) + sum(
+        n * self.lookup(k, call.rows, call.bucket) for k, n in call.k_iterations.items())
+    self.observe_call(float(np.mean(call.lengths)), call.weight, k=call.k,
+                      seconds=call.end - call.start, modelled=modelled)
+
+  def seed_from(self, other: "CostTable") -> None:
+    """Takes `other`'s call length and call misses as this table's prior (a new prompt
+    bucket starts from a neighbouring bucket's experience: what a call of the speculative
+    machinery costs beyond the model hardly depends on the prompt's length, and each K
+    need not be tried again in every bucket). This table's own calls replace them."""
+    self.tokens_per_row = other.tokens_per_row
+    self.call_misses = {k: list(v) for k, v in other.call_misses.items()}
 
   def call_residual(self, k: int) -> float:
     """What calls that began with K took beyond the model: the least of K's recent misses
@@ -216,13 +283,26 @@ def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: 
   short call does not pay for them) plus K's call residual, what measured calls that began
   with K took beyond the model. A K whose calls keep costing more than modelled (at small
   batch, fixed costs the per-iteration table does not see) loses to one that delivers."""
+  if call_tokens:
+    return choose_first_k(tuple(estimate.alphas), table, rows, bucket, k_max, call_tokens)
   best_k, best_rate = 0, -1.0
   for k in range(k_max + 1):
-    if call_tokens:
-      rate = 1.0 / max(table.call_seconds(k, rows, bucket, estimate.alphas, call_tokens) +
-                       table.call_residual(k), 1e-12)
-    else:
-      rate = expected_tokens(estimate.alphas, k) / table.lookup(k, rows, bucket)
+    rate = expected_tokens(estimate.alphas, k) / table.lookup(k, rows, bucket)
+    if rate > best_rate * (1 + 1e-12):
+      best_k, best_rate = k, rate
+  return best_k
+
+
+def choose_first_k(alphas: tuple[float, ...], table: CostTable, rows: int, bucket: int,
+                   k_max: int, call_tokens: float) -> int:
+  """`choose_k` for a call's first segment, from the acceptance `alphas` as a tuple: the K
+  of the least modelled call seconds plus call residual (ties: the smaller K). Reads
+  `CostTable.call_model`'s kept terms: it runs once per call."""
+  fixed, per_token = table.call_model(rows, bucket, alphas, k_max)
+  tokens = max(call_tokens, 1.0)
+  best_k, best_rate = 0, -1.0
+  for k in range(k_max + 1):
+    rate = 1.0 / max(fixed[k] + tokens * per_token[k] + table.call_residual(k), 1e-12)
     if rate > best_rate * (1 + 1e-12):
       best_k, best_rate = k, rate
   return best_k
@@ -276,6 +356,7 @@ class Stats:
   calibration_s: float = 0.0
 
   def to_json(self) -> dict:
+    self.table.settle()  # every finished call in the residuals reported
     return {"k_iterations": {str(k): v for k, v in sorted(self.k_iterations.items())},
             "segments": [list(x) for x in self.segments], "cost_table": self.table.to_json(),
             "segment_overhead_s": {str(r): v for r, v in sorted(self.table.overhead.items())},
@@ -487,6 +568,12 @@ def _table(graphdef, state, make_state: Callable[[], speculative.DecodeState], *
     table = weight_read_costs(nnx.merge(graphdef, state).config, rows, cache_length,
                               settings.k_max,
                               None if draft_vocab is None else draft_vocab.shape[0])
+  # Other prompt buckets of the same calls (keys differing only in the cache length): the
+  # nearest one's call experience is the new table's prior (`CostTable.seed_from`).
+  siblings = [(abs(other[6] - cache_length), other) for other in tables
+              if other[:6] + other[7:] == key[:6] + key[7:]]
+  if siblings:
+    table.seed_from(tables[min(siblings)[1]])
   tables[key] = table
   return table, time.perf_counter() - t0
 
@@ -502,11 +589,19 @@ def _segment_length(k: int, k_before: int | None, before: int, table: CostTable,
   return min(want, settings.max_segment)
 
 
+def _seed_alphas(acceptance, depths: int) -> tuple[float, ...]:
+  """The estimate's seed: the first `depths` of `acceptance`, clipped to [0, 1] (None:
+  optimistic ones)."""
+  if acceptance is None:
+    return (1.0,) * depths
+  return tuple(min(max(float(a), 0.0), 1.0) for a in list(acceptance)[:depths])
+
+
 def _plan(settings: Settings, acceptance, depths: int, table: CostTable | None, schedule):
   """The acceptance estimate (seeded from `acceptance`, else optimistic ones) and, with K
   forced by `schedule` and no table given, an empty table (nothing to decide with)."""
-  seed = np.ones(depths) if acceptance is None else np.asarray(acceptance, float)[:depths]
-  estimate = AcceptanceEstimate(seed, settings.smoothing, measured=acceptance is not None)
+  estimate = AcceptanceEstimate(np.asarray(_seed_alphas(acceptance, depths)),
+                                settings.smoothing, measured=acceptance is not None)
   return estimate, (CostTable() if table is None and schedule is not None else table)
 
 
@@ -627,17 +722,26 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
            settings: Settings, row_stops: jax.Array | None, max_turn_tokens: int | None,
            whole_state: bool, acceptance=None, draft_vocab=None, table=None, schedule=None):
   """The prefill and the first segment, with K chosen for the whole batch before them (or
-  the autoregressive program, when nothing would draft), then the segment loop."""
+  the autoregressive program, when nothing would draft), then the segment loop.
+
+  A single-turn call that corrects the table does its bookkeeping while the device runs:
+  host work between one call's end and the next call's dispatch delays the device (on this
+  CPU a few tens of microseconds of Python there cost a short call several times as much;
+  the same work after the dispatch costs nothing measurable). So its first K was planned
+  during the call before (`CostTable.planned`), and its own measurement is settled into
+  the table during the next call (`CostTable.settle`): a choice uses the calls finished
+  before the one before it. It still depends only on the past, so the law is unchanged."""
   b = prompt_tokens.shape[0]
   depths = max(settings.k_max, 1)
   buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
   kw = dict(max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
             stop_tokens=tuple(stop_tokens), row_stops=row_stops, num_draft_steps=depths,
             max_turn_tokens=max_turn_tokens)
-  observe = table is None and schedule is None and settings.calibrate
-  estimate, table = _plan(settings, acceptance, depths, table, schedule)
+  # `correct`: segments correct the (calibrated) table; `observe`: so do whole calls.
+  correct = table is None and schedule is None and settings.calibrate
+  observe = correct and not whole_state
   calibration_s = 0.0
-  if table is None:
+  if table is None and schedule is None:
     table, calibration_s = _table(
         graphdef, state,
         lambda: speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
@@ -645,27 +749,35 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
         settings=settings, rows=buckets, params=params, mode=mode, draft_vocab=draft_vocab,
         cache_length=cache_length, batch=b, max_new_tokens=max_new_tokens, depths=depths)
   if calibration_s and settings.calibrate and not whole_state:
-    # A fresh calibration also compiles the disabled path's program (below), so that no
-    # later call of these shapes compiles, whichever K it begins with.
+    # A fresh calibration also compiles the disabled path's program (below) and the
+    # gathers of compaction, so that no call of these shapes compiles (each call's seconds
+    # count towards its first K's call residual), whichever K it begins with.
     t0 = time.perf_counter()
     jax.block_until_ready(_autoregressive_call(
         graphdef, state, prompt_tokens, prompt_lengths, rng, row_stops,
         max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
         stop_tokens=tuple(stop_tokens), depths=depths))
+    if settings.compact:
+      _warm_compaction(speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths,
+                                           rng, draft_prefill=False, **kw),
+                       buckets, lambda st: st.out)
     calibration_s += time.perf_counter() - t0
-  call_tokens = table.tokens_per_row or max_new_tokens
-  k = (schedule(0) if schedule is not None else
-       choose_k(estimate, table, b, cache_length, settings.k_max, call_tokens=call_tokens))
-  iterations = _segment_length(k, None, 0, table, b, cache_length, settings)
-  # The call's measured seconds (its prefill to its lengths on the host) correct K's call
-  # residual (single-turn calls).
-  observe_call = (functools.partial(_observe_call, table, k=k, start=time.perf_counter(),
-                                    settings=settings, rows=b, bucket=cache_length)
-                  if observe and not whole_state else None)
-  stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
-                calibration_s=calibration_s)
-  if (k == 0 and not whole_state and schedule is None and
-      (iterations >= max_new_tokens - 1 or len(buckets) == 1)):
+  seed = None if acceptance is None else tuple(float(a) for a in acceptance)
+  alphas = _seed_alphas(seed, depths)
+
+  def first_choice():  # (K, iterations) of a call's first segment, by the rule or schedule
+    if schedule is not None:
+      k = schedule(0)
+      return k, _segment_length(k, None, 0, table or CostTable(), b, cache_length, settings)
+    k = choose_first_k(alphas, table, b, cache_length, settings.k_max,
+                       table.tokens_per_row or max_new_tokens)
+    return k, _segment_length(k, None, 0, table, b, cache_length, settings)
+
+  k, iterations = (table.planned.pop(seed, None) if observe else None) or first_choice()
+  disabled = (k == 0 and not whole_state and schedule is None and
+              (iterations >= max_new_tokens - 1 or len(buckets) == 1))
+  start_s = time.perf_counter()
+  if disabled:
     # The first segment would run the whole call without drafting, or no later decision
     # could differ (nothing drafted, so no acceptance observed; a batch that cannot shrink):
     # the autoregressive program, which carries no state for drafts (the disabled path
@@ -674,39 +786,40 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                                row_stops, max_new_tokens=max_new_tokens,
                                cache_length=cache_length, params=params,
                                stop_tokens=tuple(stop_tokens), depths=depths)
+  else:
+    # The prefill (main cache only) and the first segment: the programs the calibration
+    # compiled and timed, so whichever K a call begins with compiles nothing new, and the
+    # depth caches over the prompt cost what `CostTable.start` measured.
+    s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                            draft_prefill=False, **kw)
+    s = speculative.segment(graphdef, state, s, np.int32(iterations), k=k, params=params,
+                            mode=mode, draft_vocab=draft_vocab)
+  # While the device runs: the call before's measurement into the table, and the next
+  # call's first choice from it.
+  if observe:
+    table.settle()
+    table.planned[seed] = first_choice()
+  if disabled:
     forwards, lengths = jax.device_get((out.target_forwards, out.lengths))
-    stats.k_iterations[0] = int(forwards)
-    stats.segments.append((0, b, b))
-    stats.alphas = [float(a) for a in estimate.alphas]
-    if observe_call:
-      observe_call(lengths, stats)
-    return out, stats
-  # The prefill (main cache only) and the first segment: the programs the calibration
-  # compiled and timed, so whichever K a call begins with compiles nothing new, and the
-  # depth caches over the prompt cost what `CostTable.start` measured.
-  s = speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths, rng,
-                          draft_prefill=False, **kw)
-  s = speculative.segment(graphdef, state, s, np.int32(iterations), k=k, params=params,
-                          mode=mode, draft_vocab=draft_vocab)
-  out, stats = _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
-                      estimate=estimate, table=table, schedule=schedule,
-                      whole_state=whole_state, draft_vocab=draft_vocab, buckets=buckets,
-                      stats=stats, first=(k, iterations), observe=observe)
-  if observe_call:
-    observe_call(jax.device_get(out.lengths), stats)
+    end_s = time.perf_counter()
+    stats = Stats(k_iterations={0: int(forwards)}, segments=[(0, b, b)], table=table,
+                  alphas=list(alphas), calibration_s=calibration_s)
+  else:
+    estimate, table = _plan(settings, seed, depths, table, schedule)
+    stats = Stats(k_iterations={}, segments=[], table=table, alphas=[],
+                  calibration_s=calibration_s)
+    out, stats = _drive(graphdef, state, s, params=params, mode=mode, settings=settings,
+                        estimate=estimate, table=table, schedule=schedule,
+                        whole_state=whole_state, draft_vocab=draft_vocab, buckets=buckets,
+                        stats=stats, first=(k, iterations), observe=correct)
+    if observe:
+      lengths = jax.device_get(out.lengths)
+      end_s = time.perf_counter()
+  if observe:
+    table.pending = PendingCall(k=k, start=start_s, end=end_s, lengths=lengths, rows=b,
+                                bucket=cache_length, k_iterations=dict(stats.k_iterations),
+                                weight=settings.smoothing)
   return out, stats
-
-
-def _observe_call(table: CostTable, lengths: np.ndarray, stats: Stats, *, k: int,
-                  start: float, settings: Settings, rows: int, bucket: int) -> None:
-  """A finished single-turn call (its lengths fetched) into the table: its mean length and,
-  for its first K, its seconds since `start` against what the model gives for the
-  iterations it ran (`CostTable.call_seconds`' terms with the iterations counted, not
-  expected, so a call's length does not count as the model's error)."""
-  modelled = table.fixed_call_seconds(k, rows) + sum(
-      n * table.lookup(kk, rows, bucket) for kk, n in stats.k_iterations.items())
-  table.observe_call(float(np.mean(lengths)), settings.smoothing, k=k,
-                     seconds=time.perf_counter() - start, modelled=modelled)
 
 
 def start(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
