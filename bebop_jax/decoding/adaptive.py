@@ -135,7 +135,7 @@ class CostTable:
   call_misses: dict[int, list[float]] = dataclasses.field(default_factory=dict)
   calls: dict[int, int] = dataclasses.field(default_factory=dict)
   # The last call's measurement, settled during the next call (`settle`), and the next
-  # call's first (K, iterations), chosen during the last one, per acceptance seed.
+  # call's first (K, iterations), chosen during the last one ({its acceptance seed: plan}).
   pending: PendingCall | None = None
   planned: dict = dataclasses.field(default_factory=dict)
   # Derived, rebuilt when `seconds` changes: the entry `lookup` reads for (k, rows,
@@ -798,7 +798,7 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   # call's first choice from it.
   if observe:
     table.settle()
-    table.planned[seed] = first_choice()
+    table.planned = {seed: first_choice()}  # one plan kept: for the seed seen last
   if disabled:
     forwards, lengths = jax.device_get((out.target_forwards, out.lengths))
     end_s = time.perf_counter()
