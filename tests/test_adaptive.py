@@ -93,7 +93,8 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   assert modelled[3] == pytest.approx(5.5 + 64 / adaptive.expected_tokens(good.alphas, 3) * 1.6)
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=tokens) == 3
   table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 30.0, modelled=modelled[3])
-  assert table.calls == {3: 1} and table.call_misses[3] == [pytest.approx(30.0)]
+  assert table.calls == {(3, False): 1}
+  assert table.call_misses[(3, False)] == [pytest.approx(30.0)]
   assert table.call_residual(3) == 0.0  # one miss: the model alone still
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=tokens) == 3
   table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 25.0, modelled=modelled[3])
@@ -105,7 +106,7 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   for _ in range(adaptive.CALL_WINDOW):
     table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 40.0, modelled=modelled[3])
   assert table.call_residual(3) == pytest.approx(40.0)
-  assert len(table.call_misses[3]) == adaptive.CALL_WINDOW
+  assert len(table.call_misses[(3, False)]) == adaptive.CALL_WINDOW
   # Without a call length (a later segment) the per-iteration rule is unchanged.
   assert adaptive.choose_k(good, table, 1, 256, 3) == 3
   # A new prompt bucket's table starts from this one's call length and misses (copies).
@@ -115,6 +116,29 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   assert other.call_residual(3) == pytest.approx(40.0)
   other.observe_call(tokens, 0.5, k=3, seconds=modelled[3], modelled=modelled[3])
   assert other.call_residual(3) == 0.0 and table.call_residual(3) == pytest.approx(40.0)
+
+
+def test_the_arms_of_one_k_share_the_model_and_are_told_apart_by_their_calls():
+  """A call's first choice is among arms (K, whole): K = 0 as the autoregressive program
+  and K = 0 in segments have the same modelled seconds; the earlier arm wins a tie, and
+  once its calls cost more than modelled the other is tried, and kept only if it delivers.
+  An arm's misses are its own."""
+  table = _table({8: [1.0, 1.5]})
+  table.prefill, table.overhead[8] = 2.0, 0.5
+  alphas, tokens = (0.2,), 32.0
+  arms = [(0, True), (0, False), (1, False)]
+  choose = lambda: adaptive.choose_first_k(alphas, table, 8, 256, 1, tokens, arms)
+  assert choose() == (0, True)  # the model alone: K = 1 loses, the tie to the earlier arm
+  modelled = table.call_seconds(0, 8, 256, alphas, tokens)
+  for _ in range(2):
+    table.observe_call(tokens, 0.5, k=0, whole=True, seconds=modelled + 3.0,
+                       modelled=modelled)
+  assert table.call_residual(0, whole=True) == pytest.approx(3.0)
+  assert table.call_residual(0) == 0.0 and choose() == (0, False)
+  for _ in range(2):
+    table.observe_call(tokens, 0.5, k=0, seconds=modelled + 5.0, modelled=modelled)
+  assert choose() == (0, True)
+  assert adaptive.choose_first_k(alphas, table, 8, 256, 1, tokens) == (0, False)  # segments
 
 
 def test_weight_read_costs_charge_each_depth_a_block_and_the_head():

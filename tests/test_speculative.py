@@ -469,6 +469,41 @@ def test_an_adaptive_call_that_never_drafts_is_the_autoregressive_program():
   assert st1.segments == [(0, 1, 1)]
 
 
+def test_an_adaptive_call_whose_first_segment_covers_the_budget_is_the_fixed_k_program():
+  """When the first segment is expected to emit the whole budget (its iterations times
+  E(K)), no later decision would be made: the call runs fixed-K speculative decoding's own
+  program, with the same tokens, log-probs and counts as `speculative.generate` at that K
+  from the same key (the counts padded to k_max depths), compiling no segment program."""
+  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  tokens, lengths = _prompts(b=2, seed=8)
+  params = sampling.SamplingParams(1.0)
+  table = adaptive.CostTable()
+  for k, seconds in enumerate((1.0, 1e-4, 1.0)):  # one draft pays
+    table.add(k, 2, 64, seconds)
+  table.overhead[2] = 1.0  # the segment floor covers the budget
+  # pylint: disable=protected-access
+  compiled = lambda: (speculative.prefill._cache_size(), speculative.segment._cache_size())
+  before = compiled()
+  out, st = adaptive.generate(
+      GRAPHDEF, STATE, tokens, lengths, jax.random.key(5), max_new_tokens=24,
+      cache_length=64, params=params, mode="block", stop_tokens=STOP,
+      settings=adaptive.Settings(k_max=2), table=table, acceptance=[0.9, 0.9])
+  fixed = speculative.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(5),
+                               max_new_tokens=24, cache_length=64, params=params,
+                               mode="block", stop_tokens=STOP, num_draft_steps=1)
+  assert compiled() == before
+  for name in ("tokens", "lengths", "emitted_by_forwards", "row_forwards", "target_forwards"):
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                  np.asarray(getattr(fixed, name)), err_msg=name)
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(fixed.logprobs))
+  for name in ("attempted", "accepted"):
+    got = np.asarray(getattr(out, name))
+    assert got.shape == (2, 2) and not got[:, 1].any()
+    np.testing.assert_array_equal(got[:, :1], np.asarray(getattr(fixed, name)))
+  assert np.asarray(out.attempted).sum() > 0
+  assert st.k_iterations == {1: int(fixed.target_forwards)} and st.segments == [(1, 2, 2)]
+
+
 def test_depth_caches_catch_up_after_segments_with_fewer_drafts():
   """After a prefill of the main cache only (as adaptive decoding's), autoregressive steps
   (K = 0) and a segment with one draft, a segment with three first brings every depth up to
@@ -592,9 +627,9 @@ def test_a_new_prompt_bucket_starts_from_the_nearest_buckets_call_experience():
   short.observe_call(9.0, 0.5, k=1, seconds=2.0, modelled=1.0)
   long.observe_call(30.0, 0.5, k=2, seconds=5.0, modelled=1.0)
   near_long = table(251)
-  assert near_long.tokens_per_row == 30.0 and near_long.call_misses == {2: [4.0]}
-  near_long.call_misses[2].append(0.0)
-  assert long.call_misses == {2: [4.0]}  # a copy
-  assert table(121).call_misses == {1: [1.0]}
+  assert near_long.tokens_per_row == 30.0 and near_long.call_misses == {(2, False): [4.0]}
+  near_long.call_misses[(2, False)].append(0.0)
+  assert long.call_misses == {(2, False): [4.0]}  # a copy
+  assert table(121).call_misses == {(1, False): [1.0]}
   assert table(101) is short  # cached
   assert table(251, batch=5).tokens_per_row is None  # another batch: no sibling

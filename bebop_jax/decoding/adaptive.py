@@ -112,6 +112,7 @@ class PendingCall:
   bucket: int
   k_iterations: dict[int, int]
   weight: float
+  whole: bool
 
 
 @dataclasses.dataclass
@@ -214,17 +215,20 @@ class CostTable:
     return self.prefill + over + self.start_cost(k, rows)
 
   def observe_call(self, tokens_per_row: float, weight: float, k: int | None = None,
-                   seconds: float | None = None, modelled: float | None = None) -> None:
+                   seconds: float | None = None, modelled: float | None = None,
+                   whole: bool = False) -> None:
     """Moves `tokens_per_row` towards a finished call's mean completion length and, given
-    the call's first K, its measured `seconds` and the `modelled` seconds of what it ran,
-    records their difference among K's last CALL_WINDOW. (A call compiles nothing: a fresh
-    calibration compiles every program a call of its shapes can run.)"""
+    the call's first K (and `whole`: whether it ran K's whole-call program), its measured
+    `seconds` and the `modelled` seconds of what it ran, records their difference among
+    that arm's last CALL_WINDOW. (A call compiles nothing: a fresh calibration compiles
+    every program a call of its shapes can run.)"""
     self.tokens_per_row = (float(tokens_per_row) if self.tokens_per_row is None else
                            (1 - weight) * self.tokens_per_row + weight * tokens_per_row)
     if k is None:
       return
-    self.calls[k] = self.calls.get(k, 0) + 1
-    misses = self.call_misses.setdefault(k, [])
+    arm = (k, whole)
+    self.calls[arm] = self.calls.get(arm, 0) + 1
+    misses = self.call_misses.setdefault(arm, [])
     misses.append(float(seconds) - float(modelled))
     del misses[:-CALL_WINDOW]
 
@@ -238,7 +242,7 @@ class CostTable:
     modelled = self.fixed_call_seconds(call.k, call.rows) + sum(
         n * self.lookup(k, call.rows, call.bucket) for k, n in call.k_iterations.items())
     self.observe_call(float(np.mean(call.lengths)), call.weight, k=call.k,
-                      seconds=call.end - call.start, modelled=modelled)
+                      seconds=call.end - call.start, modelled=modelled, whole=call.whole)
 
   def seed_from(self, other: "CostTable") -> None:
     """Takes `other`'s call length and call misses as this table's prior (a new prompt
@@ -248,11 +252,12 @@ class CostTable:
     self.tokens_per_row = other.tokens_per_row
     self.call_misses = {k: list(v) for k, v in other.call_misses.items()}
 
-  def call_residual(self, k: int) -> float:
-    """What calls that began with K took beyond the model: the least of K's recent misses
-    once two are recorded (load from elsewhere only ever adds time, so one slow call does
-    not rule a K out), else 0 (the model alone)."""
-    misses = self.call_misses.get(k, ())
+  def call_residual(self, k: int, whole: bool = False) -> float:
+    """What calls that began with K (run as K's whole-call program when `whole`) took
+    beyond the model: the least of the arm's recent misses once two are recorded (load from
+    elsewhere only ever adds time, so one slow call does not rule an arm out), else 0 (the
+    model alone)."""
+    misses = self.call_misses.get((k, whole), ())
     return min(misses) if len(misses) >= 2 else 0.0
 
   def min_iterations(self, k: int, rows: int, bucket: int, host_fraction: float) -> int:
@@ -284,7 +289,8 @@ def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: 
   with K took beyond the model. A K whose calls keep costing more than modelled (at small
   batch, fixed costs the per-iteration table does not see) loses to one that delivers."""
   if call_tokens:
-    return choose_first_k(tuple(estimate.alphas), table, rows, bucket, k_max, call_tokens)
+    return choose_first_k(tuple(estimate.alphas), table, rows, bucket, k_max,
+                          call_tokens)[0]
   best_k, best_rate = 0, -1.0
   for k in range(k_max + 1):
     rate = expected_tokens(estimate.alphas, k) / table.lookup(k, rows, bucket)
@@ -294,18 +300,21 @@ def choose_k(estimate: AcceptanceEstimate, table: CostTable, rows: int, bucket: 
 
 
 def choose_first_k(alphas: tuple[float, ...], table: CostTable, rows: int, bucket: int,
-                   k_max: int, call_tokens: float) -> int:
-  """`choose_k` for a call's first segment, from the acceptance `alphas` as a tuple: the K
-  of the least modelled call seconds plus call residual (ties: the smaller K). Reads
-  `CostTable.call_model`'s kept terms: it runs once per call."""
+                   k_max: int, call_tokens: float,
+                   arms: Sequence[tuple[int, bool]] | None = None) -> tuple[int, bool]:
+  """`choose_k` for a call's first segment, from the acceptance `alphas` as a tuple: the
+  arm (K, whole: run as K's whole-call program) among `arms` (default: every K in
+  segments) of the least modelled call seconds plus the arm's call residual (ties: the
+  earlier arm). Two arms of one K share the model; only what their calls measured tells
+  them apart. Reads `CostTable.call_model`'s kept terms: it runs once per call."""
   fixed, per_token = table.call_model(rows, bucket, alphas, k_max)
   tokens = max(call_tokens, 1.0)
-  best_k, best_rate = 0, -1.0
-  for k in range(k_max + 1):
-    rate = 1.0 / max(fixed[k] + tokens * per_token[k] + table.call_residual(k), 1e-12)
+  best, best_rate = None, -1.0
+  for k, whole in (arms if arms is not None else [(k, False) for k in range(k_max + 1)]):
+    rate = 1.0 / max(fixed[k] + tokens * per_token[k] + table.call_residual(k, whole), 1e-12)
     if rate > best_rate * (1 + 1e-12):
-      best_k, best_rate = k, rate
-  return best_k
+      best, best_rate = (k, whole), rate
+  return best
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -363,8 +372,9 @@ class Stats:
             "start_cost_s": {f"k{k}_rows{r}": v for (k, r), v in sorted(self.table.start.items())},
             "tokens_per_row": self.table.tokens_per_row,
             "prefill_s": self.table.prefill,
-            "call_residual_s": {str(k): self.table.call_residual(k)
-                                for k in sorted(self.table.call_misses)},
+            "call_residual_s": {f"{k}{' whole' if whole else ''}":
+                                self.table.call_residual(k, whole)
+                                for k, whole in sorted(self.table.call_misses)},
             "acceptance_estimate": self.alphas, "calibration_s": self.calibration_s}
 
 
@@ -716,13 +726,38 @@ def _autoregressive_call(graphdef, state, prompt_tokens: jax.Array, prompt_lengt
       row_forwards=steps, target_forwards=g.target_forwards)
 
 
+def _fixed_call_impl(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                     rng: jax.Array, row_stops: jax.Array | None,
+                     draft_vocab: jax.Array | None, *, max_new_tokens: int,
+                     cache_length: int, params: sampling.SamplingParams, program: str,
+                     mode_index: jax.Array, stop_tokens: tuple[int, ...], k: int,
+                     depths: int) -> speculative.SpeculativeOutput:
+  """A whole single-turn call at a fixed K >= 1 as fixed-K speculative decoding's own
+  program (its prefill computes the depth caches, one loop to the end, no host round trip
+  between), its per-depth counts padded to `depths`."""
+  out = speculative._generate(  # pylint: disable=protected-access
+      graphdef, state, prompt_tokens, prompt_lengths, rng, max_new_tokens=max_new_tokens,
+      cache_length=cache_length, params=params, program=program, mode_index=mode_index,
+      stop_tokens=stop_tokens, row_stops=row_stops, num_draft_steps=k,
+      draft_vocab=draft_vocab)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, depths - k)))
+  return out.replace(attempted=pad(out.attempted), accepted=pad(out.accepted))
+
+
+_fixed_call = speculative._ModeArgument(jax.jit(  # pylint: disable=protected-access
+    _fixed_call_impl, static_argnames=("graphdef", "max_new_tokens", "cache_length", "params",
+                                       "program", "stop_tokens", "k", "depths")))
+
+
 def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
            rng: jax.Array, *, max_new_tokens: int, cache_length: int,
            params: sampling.SamplingParams, mode: str, stop_tokens: Sequence[int],
            settings: Settings, row_stops: jax.Array | None, max_turn_tokens: int | None,
            whole_state: bool, acceptance=None, draft_vocab=None, table=None, schedule=None):
-  """The prefill and the first segment, with K chosen for the whole batch before them (or
-  the autoregressive program, when nothing would draft), then the segment loop.
+  """The prefill and the first segment, with K chosen for the whole batch before them, then
+  the segment loop; or, when the first segment is expected to run the whole call (or K = 0
+  at a batch that cannot shrink: no later decision could differ), that K's whole-call
+  program: the autoregressive program at K = 0, fixed-K speculative decoding's otherwise.
 
   A single-turn call that corrects the table does its bookkeeping while the device runs:
   host work between one call's end and the next call's dispatch delays the device (on this
@@ -748,15 +783,28 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                                     draft_prefill=False, **kw),
         settings=settings, rows=buckets, params=params, mode=mode, draft_vocab=draft_vocab,
         cache_length=cache_length, batch=b, max_new_tokens=max_new_tokens, depths=depths)
+  def whole_call(k: int):  # a whole single-turn call at K, dispatched
+    if k == 0:
+      return _autoregressive_call(graphdef, state, prompt_tokens, prompt_lengths, rng,
+                                  row_stops, max_new_tokens=max_new_tokens,
+                                  cache_length=cache_length, params=params,
+                                  stop_tokens=tuple(stop_tokens), depths=depths)
+    return _fixed_call(graphdef, state, prompt_tokens, prompt_lengths, rng, row_stops,
+                       draft_vocab, max_new_tokens=max_new_tokens, cache_length=cache_length,
+                       params=params, mode=mode, stop_tokens=tuple(stop_tokens), k=k,
+                       depths=depths)
+
   if calibration_s and settings.calibrate and not whole_state:
-    # A fresh calibration also compiles the disabled path's program (below) and the
-    # gathers of compaction, so that no call of these shapes compiles (each call's seconds
-    # count towards its first K's call residual), whichever K it begins with.
+    # A fresh calibration also compiles the whole-call programs a call may run (below: the
+    # autoregressive one, and each K's whose first segment could cover the budget at full
+    # acceptance) and the gathers of compaction, so that no call of these shapes compiles
+    # (each call's seconds count towards its first K's call residual), whichever K it
+    # begins with.
     t0 = time.perf_counter()
-    jax.block_until_ready(_autoregressive_call(
-        graphdef, state, prompt_tokens, prompt_lengths, rng, row_stops,
-        max_new_tokens=max_new_tokens, cache_length=cache_length, params=params,
-        stop_tokens=tuple(stop_tokens), depths=depths))
+    for k in range(settings.k_max + 1):
+      if k == 0 or (_segment_length(k, None, 0, table, b, cache_length, settings) * (k + 1)
+                    >= max_new_tokens - 1):
+        jax.block_until_ready(whole_call(k))
     if settings.compact:
       _warm_compaction(speculative.prefill(graphdef, state, prompt_tokens, prompt_lengths,
                                            rng, draft_prefill=False, **kw),
@@ -765,27 +813,41 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   seed = None if acceptance is None else tuple(float(a) for a in acceptance)
   alphas = _seed_alphas(seed, depths)
 
-  def first_choice():  # (K, iterations) of a call's first segment, by the rule or schedule
+  def first_choice():
+    """(K, iterations of its first segment, whether the call runs K's whole-call program)."""
     if schedule is not None:
       k = schedule(0)
-      return k, _segment_length(k, None, 0, table or CostTable(), b, cache_length, settings)
-    k = choose_first_k(alphas, table, b, cache_length, settings.k_max,
-                       table.tokens_per_row or max_new_tokens)
-    return k, _segment_length(k, None, 0, table, b, cache_length, settings)
+      return k, _segment_length(k, None, 0, table or CostTable(), b, cache_length,
+                                settings), False
+    lengths = [_segment_length(k, None, 0, table, b, cache_length, settings)
+               for k in range(settings.k_max + 1)]
+    arms = []
+    for k, n in enumerate(lengths):
+      # A first segment expected to emit the whole budget makes no later decision and
+      # lets no row leave the batch: K's whole-call program does the same work with no
+      # host round trip between segments. At K = 0 the autoregressive program is an arm
+      # of its own beside segments (which let finished rows leave the batch) where the
+      # batch can shrink: calls measure which pays.
+      covers = n * expected_tokens(alphas, k) >= max_new_tokens - 1
+      if whole_state:
+        arms.append((k, False))
+      elif k == 0:
+        arms += [(0, True)] + ([(0, False)] if not covers and len(buckets) > 1 else [])
+      else:
+        arms.append((k, covers))
+    k, whole = choose_first_k(alphas, table, b, cache_length, settings.k_max,
+                              table.tokens_per_row or max_new_tokens, arms)
+    return k, lengths[k], whole
 
-  k, iterations = (table.planned.pop(seed, None) if observe else None) or first_choice()
-  disabled = (k == 0 and not whole_state and schedule is None and
-              (iterations >= max_new_tokens - 1 or len(buckets) == 1))
+  k, iterations, whole = ((table.planned.pop(seed, None) if observe else None) or
+                          first_choice())
   start_s = time.perf_counter()
-  if disabled:
-    # The first segment would run the whole call without drafting, or no later decision
-    # could differ (nothing drafted, so no acceptance observed; a batch that cannot shrink):
-    # the autoregressive program, which carries no state for drafts (the disabled path
-    # skips the speculative machinery entirely, as vLLM found it must).
-    out = _autoregressive_call(graphdef, state, prompt_tokens, prompt_lengths, rng,
-                               row_stops, max_new_tokens=max_new_tokens,
-                               cache_length=cache_length, params=params,
-                               stop_tokens=tuple(stop_tokens), depths=depths)
+  if whole:
+    # The whole call as one program: at K = 0 the autoregressive program, which carries no
+    # state for drafts (the disabled path skips the speculative machinery entirely, as vLLM
+    # found it must); at K >= 1 fixed-K speculative decoding's, with no host round trip
+    # between segments.
+    out = whole_call(k)
   else:
     # The prefill (main cache only) and the first segment: the programs the calibration
     # compiled and timed, so whichever K a call begins with compiles nothing new, and the
@@ -799,10 +861,10 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   if observe:
     table.settle()
     table.planned = {seed: first_choice()}  # one plan kept: for the seed seen last
-  if disabled:
+  if whole:
     forwards, lengths = jax.device_get((out.target_forwards, out.lengths))
     end_s = time.perf_counter()
-    stats = Stats(k_iterations={0: int(forwards)}, segments=[(0, b, b)], table=table,
+    stats = Stats(k_iterations={k: int(forwards)}, segments=[(k, b, b)], table=table,
                   alphas=list(alphas), calibration_s=calibration_s)
   else:
     estimate, table = _plan(settings, seed, depths, table, schedule)
@@ -818,7 +880,7 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   if observe:
     table.pending = PendingCall(k=k, start=start_s, end=end_s, lengths=lengths, rows=b,
                                 bucket=cache_length, k_iterations=dict(stats.k_iterations),
-                                weight=settings.smoothing)
+                                weight=settings.smoothing, whole=whole)
   return out, stats
 
 
