@@ -33,6 +33,11 @@ cost (`CostTable.call_seconds`: prefill, fixed cost, the depth caches' start cos
 expected iterations) plus what measured calls that began with that K took beyond the model
 (`CostTable.call_residual`), so at small batch, where a call is short and mostly fixed
 costs the per-iteration table does not see, a K that loses in practice stops being chosen.
+A call whose first segment is expected to emit the whole budget runs K's whole-call program
+instead (fixed-K speculative decoding's, or the autoregressive one at K = 0); at K = 0 that
+program and segments are separate arms wherever the batch can shrink, told apart by their
+calls. A single-turn call's bookkeeping runs while its program does (`CostTable.planned`,
+`CostTable.settle`).
 
 The choice depends only on the past (acceptance already observed, costs measured before),
 so switching K between iterations leaves the output law unchanged: every iteration is an
