@@ -788,6 +788,7 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                                     draft_prefill=False, **kw),
         settings=settings, rows=buckets, params=params, mode=mode, draft_vocab=draft_vocab,
         cache_length=cache_length, batch=b, max_new_tokens=max_new_tokens, depths=depths)
+
   def whole_call(k: int):  # a whole single-turn call at K, dispatched
     if k == 0:
       return _autoregressive_call(graphdef, state, prompt_tokens, prompt_lengths, rng,
