@@ -764,13 +764,13 @@ def _begin(graphdef, state, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
   at a batch that cannot shrink: no later decision could differ), that K's whole-call
   program: the autoregressive program at K = 0, fixed-K speculative decoding's otherwise.
 
-  A single-turn call that corrects the table does its bookkeeping while the device runs:
-  host work between one call's end and the next call's dispatch delays the device (on this
-  CPU a few tens of microseconds of Python there cost a short call several times as much;
-  the same work after the dispatch costs nothing measurable). So its first K was planned
-  during the call before (`CostTable.planned`), and its own measurement is settled into
-  the table during the next call (`CostTable.settle`): a choice uses the calls finished
-  before the one before it. It still depends only on the past, so the law is unchanged."""
+  A single-turn call that corrects the table does its bookkeeping while the device runs,
+  not between one call's end and the next call's dispatch (at batch 1 a call of the tiny
+  policy is a few milliseconds; experiments/bench_call_overhead.py measures what remains).
+  So its first K was planned during the call before (`CostTable.planned`), and its own
+  measurement is settled into the table during the next call (`CostTable.settle`): a
+  choice uses the calls finished before the one before it. It still depends only on the
+  past, so the law is unchanged."""
   b = prompt_tokens.shape[0]
   depths = max(settings.k_max, 1)
   buckets = batch_buckets(b, settings.batch_factor) if settings.compact else [b]
