@@ -168,3 +168,117 @@ def test_the_fused_head_gives_the_dense_heads_values_and_gradients():
     # The shared embedding (the tied head) learns from the chain here.
     assert max(float(jnp.abs(g).max()) for p, g in flat_f.items()
                if "embed" in jax.tree_util.keystr(p)) > 0, loss
+
+
+def test_heads_at_the_loss_rows_only_give_the_dense_masked_loss_and_gradients():
+  """The MTP stage's step: the trunk's h0 given as features (`hidden=`, no main layers) and
+  the head run only at the rows whose next token is a loss target (`rows=`). Every loss,
+  metric and MTP gradient equals the dense forward's over all positions with the mask:
+  packed segments, a prompt (no targets) in each, padding, and spare row slots."""
+  config = dataclasses.replace(model_config.preset("tiny"), mtp_stop_gradient=True)
+  graphdef, state = policy_lib.init(config, seed=0)
+  rng = np.random.default_rng(5)
+  t = 24
+  tokens = jnp.asarray(rng.integers(3, config.vocab_size, (2, t)), jnp.int32)
+  segment_ids = np.zeros((2, t), np.int32)
+  segment_ids[0, :10], segment_ids[0, 10:24] = 1, 2
+  segment_ids[1, :17] = 1
+  positions = np.zeros((2, t), np.int32)
+  for b in range(2):
+    for s in (1, 2):
+      idx = np.flatnonzero(segment_ids[b] == s)
+      positions[b, idx] = np.arange(len(idx))
+  loss_mask = np.zeros((2, t), np.int32)  # completions: the tail of each segment
+  loss_mask[0, 6:10], loss_mask[0, 15:24], loss_mask[1, 8:17] = 1, 1, 1
+  rows = mtp_losses.loss_rows(loss_mask, 16)
+  assert (rows < t).sum() == loss_mask[:, 1:].sum() and (rows == t).any()
+  hidden = nnx.merge(graphdef, state)(tokens, jnp.asarray(positions),
+                                      jnp.asarray(segment_ids), num_draft_steps=0)["hidden"]
+  _, trainable, frozen = nnx.split(nnx.merge(graphdef, state),
+                                   nnx.All(nnx.Param, nnx.PathContains("mtp")), ...)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(sparse, trainable):
+    def f(trainable, loss):
+      model = nnx.merge(graphdef, trainable, frozen)
+      kw = dict(hidden=hidden, logits=False) if sparse else {}
+      out = model(tokens, jnp.asarray(positions), jnp.asarray(segment_ids), **kw)
+      return mtp_losses.mtp_loss(out, tokens, jnp.asarray(loss_mask), loss=loss,
+                                 rows=jnp.asarray(rows) if sparse else None)
+    return {loss: jax.value_and_grad(f, has_aux=True)(trainable, loss)
+            for loss in mtp_losses.LOSSES}
+
+  sparse, dense = run(True, trainable), run(False, trainable)
+  for loss in mtp_losses.LOSSES:
+    (v_s, m_s), g_s = sparse[loss]
+    (v_d, m_d), g_d = dense[loss]
+    assert float(m_d["positions"]) > 0
+    np.testing.assert_allclose(float(v_s), float(v_d), rtol=1e-5, err_msg=loss)
+    for name in m_d:
+      np.testing.assert_allclose(float(m_s[name]), float(m_d[name]), rtol=1e-5, atol=1e-7,
+                                 err_msg=f"{loss} {name}")
+    flat_s = dict(jax.tree_util.tree_leaves_with_path(g_s))
+    for path, g in jax.tree_util.tree_leaves_with_path(g_d):
+      assert float(jnp.abs(g).max()) > 0, (loss, jax.tree_util.keystr(path))
+      np.testing.assert_allclose(np.asarray(flat_s[path]), np.asarray(g), rtol=1e-4,
+                                 atol=1e-6, err_msg=f"{loss} {jax.tree_util.keystr(path)}")
+  with pytest.raises(ValueError, match="num_rows=4"):
+    mtp_losses.loss_rows(loss_mask, 4)
+
+
+def test_a_reduced_draft_vocabulary_against_numpy_and_the_whole_head():
+  """The drafter restricted to V_d tokens (draft_vocab=), at the loss rows: per depth the
+  acceptance sum_{v in V_d} min(p_v, q_v) with p over the whole vocabulary, KL from p
+  renormalised on V_d and CE on the in-vocabulary tokens, from numpy loops over the
+  definitions; with V_d the whole vocabulary it is the fused head's loss and gradient."""
+  config = dataclasses.replace(model_config.preset("tiny"), mtp_stop_gradient=True)
+  graphdef, state = policy_lib.init(config, seed=1)
+  rng = np.random.default_rng(7)
+  t, v = 20, config.vocab_size
+  tokens = rng.integers(3, v, (2, t)).astype(np.int32)
+  loss_mask = np.zeros((2, t), np.int32)
+  loss_mask[0, 5:], loss_mask[1, 9:] = 1, 1
+  vocab = np.sort(rng.choice(v, v // 3, replace=False)).astype(np.int32)
+  tokens[0, 12] = vocab[3]  # some targets inside the vocabulary, most outside
+  rows = mtp_losses.loss_rows(loss_mask, 20)
+  model = nnx.merge(graphdef, state)
+  dense = model(jnp.asarray(tokens))
+  logits, mtp_logits = np.asarray(dense["logits"], np.float64), np.asarray(
+      dense["mtp_logits"], np.float64)
+  fused = model(jnp.asarray(tokens), logits=False)
+  _, metrics = mtp_losses.mtp_loss(fused, jnp.asarray(tokens), jnp.asarray(loss_mask),
+                                   loss="tv", rows=jnp.asarray(rows),
+                                   draft_vocab=jnp.asarray(vocab))
+  in_v = np.isin(np.arange(v), vocab)
+  for k in range(1, K + 1):
+    alphas, kls, ces = [], [], []
+    for b in range(2):
+      for i in range(t - k - 1):
+        if not loss_mask[b, i + k + 1]:
+          continue
+        p = _softmax(logits[b, i + k])
+        q = np.zeros(v)
+        q[in_v] = _softmax(mtp_logits[k - 1, b, i][in_v])
+        alphas.append(np.minimum(p, q).sum())
+        pt = p[in_v] / p[in_v].sum()
+        kls.append(np.sum(pt * (np.log(pt) - np.log(q[in_v]))))
+        x = tokens[b, i + k + 1]
+        ces.append(-np.log(q[x]) if in_v[x] else 0.0)
+    np.testing.assert_allclose(float(metrics[f"alpha_{k}"]), np.mean(alphas), rtol=1e-4)
+    np.testing.assert_allclose(float(metrics[f"kl_{k}"]), np.mean(kls), rtol=1e-4)
+    np.testing.assert_allclose(float(metrics[f"ce_{k}"]), np.mean(ces), rtol=1e-4)
+
+  _, trainable, frozen = nnx.split(model, nnx.All(nnx.Param, nnx.PathContains("mtp")), ...)
+
+  def f(trainable, loss, vocab):
+    out = nnx.merge(graphdef, trainable, frozen)(jnp.asarray(tokens), logits=False)
+    return mtp_losses.mtp_loss(out, jnp.asarray(tokens), jnp.asarray(loss_mask), loss=loss,
+                               rows=jnp.asarray(rows), draft_vocab=vocab)[0]
+  whole = jnp.arange(v, dtype=jnp.int32)
+  for loss in ("e2e_tv", "kl"):
+    (a, ga), (b, gb) = [jax.value_and_grad(f)(trainable, loss, vv) for vv in (whole, None)]
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5, err_msg=loss)
+    flat = dict(jax.tree_util.tree_leaves_with_path(gb))
+    for path, g in jax.tree_util.tree_leaves_with_path(ga):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(flat[path]), rtol=1e-4, atol=1e-6,
+                                 err_msg=f"{loss} {jax.tree_util.keystr(path)}")

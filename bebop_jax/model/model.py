@@ -329,7 +329,8 @@ class Policy(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, *, num_draft_steps: int | None = None,
                mtp_stop_gradient: bool | None = None, logits: bool = True,
-               frozen_layers: bool = False) -> dict[str, jax.Array]:
+               frozen_layers: bool = False, hidden: jax.Array | None = None
+               ) -> dict[str, jax.Array]:
     """Teacher-forced forward of the main model and the MTP chain.
 
     Args:
@@ -345,6 +346,9 @@ class Policy(nnx.Module):
         weights), which lets their scan keep the weights in their own dtype on CPU (see
         `_main_blocks`). The MTP stage sets it: its loss sees the trunk only through
         stop-gradients.
+      hidden: [B, T, E] the main model's h0 of these tokens, computed before (the MTP
+        stage's cached features, drafter_data.py): the main layers do not run, only the
+        final norm and head on it, and the MTP chain. A constant (no gradient reaches it).
     Returns a dict:
       logits [B, T, V] f32: p_i; hidden [B, T, E]: h0_i; mask [B, T] bool: p_i is valid;
       mtp_logits [K, B, T, V] f32: q_i^k at index k-1; mtp_hidden [K, B, T, E];
@@ -366,8 +370,14 @@ class Policy(nnx.Module):
     sincos = self._rope(positions)
 
     shared = self._shared(stop_gradient=False)
-    h0 = self._main_blocks(self._embed(shared["embed"], tokens, gather_table=True),
-                           positions, mask=attn_mask, sincos=sincos, frozen=frozen_layers)
+    if hidden is None:
+      h0 = self._main_blocks(self._embed(shared["embed"], tokens, gather_table=True),
+                             positions, mask=attn_mask, sincos=sincos, frozen=frozen_layers)
+    else:
+      if hidden.shape != (b, t, c.d_model):
+        raise ValueError(f"hidden {hidden.shape} must be [B, T, E] = {(b, t, c.d_model)}")
+      h0 = jax.lax.stop_gradient(sharding.constrain(hidden.astype(c.compute_dtype),
+                                                    ("batch", "length", "embed")))
     out = {"hidden": h0, "mask": shifted_valid(segment_ids, 1)}
     if logits:
       out["logits"] = self._logits(shared, h0)
