@@ -323,6 +323,31 @@ def test_autoregressive_continuation_logprobs_equal_a_teacher_forced_forward(ar_
   assert checked == 4  # four episodes have replies in their sequences
 
 
+def test_autoregressive_episodes_keep_the_teacher_forced_hidden_states(ar_episodes):
+  """return_hidden: every episode keeps the main model's h0 at each position of prompt +
+  turns + replies (from the prefill, each decoding step and each reply's forward), equal to
+  one teacher-forced forward over the whole sequence; the episodes themselves do not
+  change. (The last token is never fed, so its h0 is not compared.)"""
+  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  prompts, plain, _ = ar_episodes[True]
+  envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
+  episodes = multi_turn.autoregressive_episodes(
+      GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(get_tokenizer().eos_id,),
+      return_hidden=True, **AR_KW)
+  model = nnx.merge(GRAPHDEF, STATE)
+  forward = jax.jit(lambda x: model(x, num_draft_steps=0)["hidden"])
+  for prompt, ep, ref in zip(prompts, episodes, plain):
+    assert ep.tokens == ref.tokens and ep.logprobs == ref.logprobs
+    seq = np.asarray(prompt + ep.tokens, np.int32)
+    assert ep.hidden.shape == (len(seq), CONFIG.d_model)
+    h0 = np.asarray(forward(jnp.asarray(seq[None]))[0])
+    np.testing.assert_allclose(ep.hidden[:-1], h0[:-1], atol=2e-5, rtol=1e-4)
+  with pytest.raises(ValueError, match="continuation=True"):
+    multi_turn.autoregressive_episodes(GRAPHDEF, STATE, prompts[:1], envs[:1],
+                                       jax.random.key(0), stop_tokens=(2,), return_hidden=True,
+                                       continuation=False, **AR_KW)
+
+
 def test_autoregressive_episodes_compile_once_per_bucket():
   from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
   tok = get_tokenizer()

@@ -53,7 +53,12 @@ class DecodeOutput:
   entropy [B, N] (raw policy, nats; 0 where not sampled), emitted_by_forwards [B] (target
   forwards the row took part in after each turn's first token, one emitted token each);
   per call: target_forwards (loop forwards, summed over calls; the prefill and reply
-  forwards are not counted)."""
+  forwards are not counted). With `return_hidden`, hidden [B, P + N, E] float32: the main
+  model's h0 at every position it ran on (the prompt's, then each fed token's), indexed by
+  position (the completion's token j sits at prompt_length + j; undefined past the last
+  token fed, e.g. at the last token itself, which no forward reads): the features a drafter
+  trains on
+  (train/mtp.py), free from the forwards decoding runs anyway."""
   tokens: jax.Array
   lengths: jax.Array
   policy_mask: jax.Array
@@ -61,6 +66,7 @@ class DecodeOutput:
   entropy: jax.Array
   emitted_by_forwards: jax.Array
   target_forwards: jax.Array
+  hidden: jax.Array | None = None  # [B, P + N, E] f32 h0 by position, when asked for
 
 
 @flax.struct.dataclass
@@ -110,12 +116,17 @@ def _emit(s: DecodeState, logits: jax.Array, active: jax.Array,
 
 
 def _start(model, w, prompt_tokens, prompt_lengths, rng, *, max_new_tokens, cache_length,
-           params, stop_tokens, row_stops, row_limits, max_turn_tokens) -> DecodeState:
+           params, stop_tokens, row_stops, row_limits, max_turn_tokens,
+           return_hidden: bool = False) -> DecodeState:
   """Prefills right-padded prompts [B, P] and samples every row's first token."""
   b, p = prompt_tokens.shape
   check_lengths(p, max_new_tokens, cache_length)
   cache = model.init_cache(b, cache_length)
-  logits, _, cache = model.prefill(cache, prompt_tokens, mtp=False, weights=w)
+  logits, h0, cache = model.prefill(cache, prompt_tokens, mtp=False, weights=w)
+  hidden = None
+  if return_hidden:  # padding positions past a prompt are overwritten by its completion
+    hidden = jnp.zeros((b, p + max_new_tokens, h0.shape[-1]), jnp.float32).at[:, :p].set(
+        h0.astype(jnp.float32))
   lengths = jnp.zeros((b,), jnp.int32)
   limit = batching.turn_limit(lengths, max_new_tokens, max_turn_tokens)
   if row_limits is not None:
@@ -128,9 +139,19 @@ def _start(model, w, prompt_tokens, prompt_lengths, rng, *, max_new_tokens, cach
       out=DecodeOutput(tokens=zeros(jnp.int32), lengths=lengths, policy_mask=zeros(bool),
                        logprobs=zeros(jnp.float32), entropy=zeros(jnp.float32),
                        emitted_by_forwards=jnp.zeros((b,), jnp.int32),
-                       target_forwards=jnp.int32(0)))
+                       target_forwards=jnp.int32(0), hidden=hidden))
   # The first token comes from the prefill's logits (at least one token per row).
   return _emit(s, logits[jnp.arange(b), prompt_lengths - 1], jnp.ones((b,), bool), params)
+
+
+def _write_hidden(out: DecodeOutput, h0: jax.Array, positions: jax.Array) -> DecodeOutput:
+  """`out` with h0 [B, C, E] written at positions [B, C] of its hidden states (when it keeps
+  them; positions past the end, those of inactive rows, are dropped)."""
+  if out.hidden is None:
+    return out
+  rows = jnp.arange(h0.shape[0])[:, None]
+  return out.replace(hidden=out.hidden.at[rows, positions].set(h0.astype(jnp.float32),
+                                                                mode="drop"))
 
 
 def _decode(model, w, s: DecodeState, *, params) -> DecodeState:
@@ -142,8 +163,8 @@ def _decode(model, w, s: DecodeState, *, params) -> DecodeState:
     active = ~s.done
     # Done rows write past the cache, where writes are dropped.
     position = jnp.where(active, s.frontier + 1, cache_length)
-    logits, _, cache = model.step(s.cache, s.token[:, None], position, weights=w)
-    o = s.out
+    logits, h0, cache = model.step(s.cache, s.token[:, None], position, weights=w)
+    o = _write_hidden(s.out, h0, position[:, None])
     s = s.replace(cache=cache, frontier=jnp.where(active, s.frontier + 1, s.frontier),
                   out=o.replace(emitted_by_forwards=o.emitted_by_forwards + active,
                                 target_forwards=o.target_forwards + 1))
@@ -170,7 +191,8 @@ def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params,
   # anything attends to them).
   chunk = jnp.concatenate([s.token[:, None], reply_tokens], axis=1)
   start = jnp.where(active, n + 1, s.cache.length)
-  logits, _, cache = model.step(s.cache, chunk, start, weights=w)
+  logits, h0, cache = model.step(s.cache, chunk, start, weights=w)
+  o = _write_hidden(o, h0, start[:, None] + jnp.arange(r + 1)[None, :])
   slots = jnp.where(active[:, None] & in_reply, o.lengths[:, None] + idx, max_new_tokens)
   out = o.replace(tokens=o.tokens.at[rows[:, None], slots].set(reply_tokens, mode="drop"),
                   lengths=o.lengths + jnp.where(active, reply_lengths, 0))
@@ -182,7 +204,7 @@ def _append(model, w, s: DecodeState, reply_tokens, reply_lengths, *, params,
 
 
 _START_STATIC = ("graphdef", "max_new_tokens", "cache_length", "params", "stop_tokens",
-                 "max_turn_tokens")
+                 "max_turn_tokens", "return_hidden")
 
 
 @functools.partial(jax.jit, static_argnames=_START_STATIC)
@@ -190,21 +212,22 @@ def start(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
           prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
           cache_length: int, params: sampling.SamplingParams, stop_tokens: Sequence[int],
           row_stops: jax.Array | None = None, row_limits: jax.Array | None = None,
-          max_turn_tokens: int | None = None) -> DecodeState:
+          max_turn_tokens: int | None = None, return_hidden: bool = False) -> DecodeState:
   """Prefills right-padded prompts [B, P] and decodes the first turn.
 
   A row's turn ends after any of `stop_tokens` (those of `row_stops` [B, S] bool when
   given; see batching.stop_table), after `max_turn_tokens` or `row_limits[b]` tokens, or at
   `max_new_tokens`, the budget of the whole completion (replies included); at least one
   token is sampled. `rng` is one key (row b uses fold_in(rng, b)) or per-row keys [B].
-  The cache holds `cache_length` >= P + max_new_tokens positions. Compiled once per (B, P)
-  and settings.
+  The cache holds `cache_length` >= P + max_new_tokens positions. `return_hidden`: the
+  output keeps h0 by position (DecodeOutput.hidden). Compiled once per (B, P) and settings.
   """
   model = nnx.merge(graphdef, state)
   w = model.loop_weights()  # once, outside the loop (see Policy.decode_weights)
   s = _start(model, w, prompt_tokens, prompt_lengths, rng, max_new_tokens=max_new_tokens,
              cache_length=cache_length, params=params, stop_tokens=stop_tokens,
-             row_stops=row_stops, row_limits=row_limits, max_turn_tokens=max_turn_tokens)
+             row_stops=row_stops, row_limits=row_limits, max_turn_tokens=max_turn_tokens,
+             return_hidden=return_hidden)
   return _decode(model, w, s, params=params)
 
 

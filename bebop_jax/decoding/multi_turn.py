@@ -71,6 +71,7 @@ class Episode:
   target_forwards: int
   emitted_by_forwards: int
   truncated: bool
+  hidden: np.ndarray | None = None  # [prompt + completion, E] h0 (return_hidden)
 
 
 def _check_inputs(prompts, environments, row_stops, stop_tokens):
@@ -285,7 +286,8 @@ def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
                             row_stops: np.ndarray | None = None,
                             max_turn_tokens: int | None = None, max_turns: int = 16,
                             prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS,
-                            continuation: bool = True) -> list[Episode]:
+                            continuation: bool = True, return_hidden: bool = False
+                            ) -> list[Episode]:
   """One episode per (prompt token list, environment) with plain autoregressive decoding;
   same contract as `speculative_episodes`.
 
@@ -294,8 +296,11 @@ def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
   `max_new_tokens`. continuation=False decodes every turn from the whole context, packing
   a chunk's live rows into one batch; contexts are bucketed (`prompt_buckets` must hold
   the longest prompt + completion). Both give the same episodes for the same `rng` (see
-  the module docstring).
+  the module docstring). `return_hidden` (with continuation): each episode keeps the main
+  model's h0 at its prompt and completion positions (autoregressive.DecodeOutput.hidden).
   """
+  if return_hidden and not continuation:
+    raise ValueError("return_hidden needs continuation=True (one cache per chunk)")
   stop_tokens = tuple(int(t) for t in stop_tokens)
   _check_inputs(prompts, environments, row_stops, stop_tokens)
   episodes: list[Episode] = []
@@ -310,20 +315,23 @@ def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
                   stop_sets=_stop_sets(stop_tokens, row_stops, first, n),
                   max_turn_tokens=max_turn_tokens, max_turns=max_turns,
                   prompt_buckets=prompt_buckets)
-    run_chunk = _autoregressive_chunk if continuation else _reencoded_chunk
-    episodes += run_chunk(graphdef, state, chunk, envs, key, **common)
+    if continuation:
+      episodes += _autoregressive_chunk(graphdef, state, chunk, envs, key,
+                                        return_hidden=return_hidden, **common)
+    else:
+      episodes += _reencoded_chunk(graphdef, state, chunk, envs, key, **common)
   return episodes
 
 
 def _autoregressive_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_new_tokens,
                           params, stop_tokens, stops, stop_sets, max_turn_tokens, max_turns,
-                          prompt_buckets) -> list[Episode]:
+                          prompt_buckets, return_hidden=False) -> list[Episode]:
   """One chunk's episodes with the cache kept across turns."""
   prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets)
   ds = autoregressive.start(
       graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
       cache_length=prompt.shape[1] + max_new_tokens, params=params, stop_tokens=stop_tokens,
-      row_stops=stops, max_turn_tokens=max_turn_tokens)
+      row_stops=stops, max_turn_tokens=max_turn_tokens, return_hidden=return_hidden)
   ds, reward, turns, ended, truncated = _turns_in_slots(
       ds, lambda ds, replies, reply_lengths: autoregressive.continue_with_reply(
           graphdef, state, ds, replies, reply_lengths, params=params,
@@ -340,7 +348,8 @@ def _autoregressive_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_
         logprobs=out.logprobs[i, :m].tolist(), entropy=out.entropy[i, :m].tolist(),
         reward=reward[i], turns=turns[i], done=ended[i],
         attempted=np.zeros(0, np.int64), accepted=np.zeros(0, np.int64),
-        target_forwards=forwards, emitted_by_forwards=forwards, truncated=truncated[i]))
+        target_forwards=forwards, emitted_by_forwards=forwards, truncated=truncated[i],
+        hidden=None if out.hidden is None else out.hidden[i, :len(chunk[i]) + m]))
   return episodes
 
 

@@ -46,6 +46,8 @@ class RolloutSettings:
   adaptive: optional decoding.adaptive.Settings: speculative rollouts choose their draft
     length from live acceptance and measured cost (k_max replaces num_draft_steps), the
     estimate seeded with `acceptance` (the drafter's measured per-depth acceptance).
+  return_hidden: autoregressive rollouts keep the main model's h0 at every position of
+    each row (Rollouts.hidden): a drafter's training features at no extra forward.
   """
   engine: str = "speculative"
   mode: str = "rejection"
@@ -60,8 +62,12 @@ class RolloutSettings:
   draft_vocab: tuple[int, ...] | None = None
   adaptive: Any = None
   acceptance: tuple[float, ...] | None = None
+  return_hidden: bool = False
 
   def __post_init__(self):
+    if self.return_hidden and self.engine != "autoregressive":
+      raise ValueError("return_hidden needs engine='autoregressive' (its forwards see every "
+                       f"position once); got engine={self.engine!r}")
     if self.engine not in ENGINES:
       raise ValueError(f"engine={self.engine!r} is not allowed: one of {ENGINES}")
     if self.mode not in VERIFICATION_MODES:
@@ -103,7 +109,9 @@ class Rollouts:
   minus one per turn); versions [B] int32 the parameter version that sampled each row
   (every token of a row: weights change only between decoding calls); policy_version: the
   newest of them; seconds: wall time of `generate`; k_iterations: adaptive rollouts'
-  decoding iterations run with each draft length K ({K: count}; None otherwise).
+  decoding iterations run with each draft length K ({K: count}; None otherwise); hidden:
+  with RolloutSettings.return_hidden, per row the main model's h0 [prompt + completion
+  length, E] float32 at the positions of `sequences()` (None otherwise).
   """
   task_ids: np.ndarray
   prompt_tokens: np.ndarray
@@ -125,6 +133,7 @@ class Rollouts:
   seconds: float = 0.0
   versions: np.ndarray | None = None
   k_iterations: dict[int, int] | None = None
+  hidden: list[np.ndarray] | None = None
 
   def __post_init__(self):
     if self.versions is None:
@@ -190,8 +199,12 @@ class Rollouts:
       for k, n in (r.k_iterations or {}).items():
         k_iterations = k_iterations or {}
         k_iterations[k] = k_iterations.get(k, 0) + n
+    hidden = None
+    if all(r.hidden is not None for r in parts):
+      hidden = [h for r in parts for h in r.hidden]
     return Rollouts(**arrays, policy_version=max(r.policy_version for r in parts),
-                    seconds=sum(r.seconds for r in parts), k_iterations=k_iterations)
+                    seconds=sum(r.seconds for r in parts), k_iterations=k_iterations,
+                    hidden=hidden)
 
 
 def rollouts_from_episodes(episodes, prompts: Sequence[Sequence[int]],
@@ -229,7 +242,9 @@ def rollouts_from_episodes(episodes, prompts: Sequence[Sequence[int]],
       target_forwards=np.array([ep.target_forwards for ep in episodes], np.int64),
       emitted_by_forwards=np.array([ep.emitted_by_forwards for ep in episodes], np.int64),
       truncated=np.array([ep.truncated for ep in episodes], bool),
-      policy_version=policy_version, seconds=seconds)
+      policy_version=policy_version, seconds=seconds,
+      hidden=([ep.hidden for ep in episodes]
+              if episodes and all(ep.hidden is not None for ep in episodes) else None))
 
 
 class RolloutEngine(abc.ABC):

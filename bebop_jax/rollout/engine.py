@@ -116,7 +116,8 @@ class JaxEngine(base.RolloutEngine):
           **common)
     else:
       episodes = multi_turn.autoregressive_episodes(self.graphdef, params, prompts, envs,
-                                                    rng, **common)
+                                                    rng, return_hidden=s.return_hidden,
+                                                    **common)
     rollouts = base.rollouts_from_episodes(
         episodes, prompts, [tasks_lib.TASK_NAMES.index(ex.task) for ex in examples],
         max_new_tokens=s.max_new_tokens, num_draft_steps=self.num_draft_steps,
