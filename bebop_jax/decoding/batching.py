@@ -31,21 +31,34 @@ def bucket(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
                    f"{buckets[-1]} (buckets {tuple(buckets)})")
 
 
-def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+def first_fit_decreasing(lengths: np.ndarray, capacity: int, targets: np.ndarray | None = None,
+                         target_capacity: int | None = None) -> list[list[int]]:
   """Bins of item indices, longest items first, each into the first bin with room: every
-  bin's lengths sum to at most `capacity` (each length must be at most `capacity`)."""
+  bin's lengths sum to at most `capacity` (each length must be at most `capacity`) and, with
+  `targets` (a second size per item, e.g. its loss targets), their targets to at most
+  `target_capacity`."""
+  lengths = np.asarray(lengths)
+  if targets is not None and (target_capacity is None or np.max(targets, initial=0)
+                              > target_capacity):
+    raise ValueError(f"every item's targets must be at most target_capacity="
+                     f"{target_capacity}; the largest is {np.max(targets, initial=0)}")
   bins: list[list[int]] = []
   free: list[int] = []
-  for i in np.argsort(-np.asarray(lengths), kind="stable"):
+  free_targets: list[int] = []
+  for i in np.argsort(-lengths, kind="stable"):
     n = int(lengths[i])
+    m = 0 if targets is None else int(targets[i])
     for b, room in enumerate(free):
-      if n <= room:
+      if n <= room and (targets is None or m <= free_targets[b]):
         bins[b].append(int(i))
         free[b] -= n
+        if targets is not None:
+          free_targets[b] -= m
         break
     else:
       bins.append([int(i)])
       free.append(capacity - n)
+      free_targets.append(0 if targets is None else target_capacity - m)
   return bins
 
 

@@ -81,11 +81,13 @@ def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Arra
 
 
 def _per_position(model, sequences, generated, params, modes, segment_ids=None,
-                  positions=None):
+                  positions=None, draft_vocab=None):
   """({mode: alphas [K, B, T]} (per-draft acceptance of depth k's draft at start i), masks
   [K, B, T] (i is a frontier candidate and x_{i+k+1} is generated in its segment), target
   entropy [K, B, T] of the transformed p_{i+k} (nats)), from one forward for all `modes`.
-  Without `segment_ids`, a row is one sequence (its nonzero or generated tokens)."""
+  Without `segment_ids`, a row is one sequence (its nonzero or generated tokens). With
+  `draft_vocab` [V_d] the drafts come from those tokens only (q is 0 elsewhere), as a
+  drafter with a reduced vocabulary drafts."""
   if segment_ids is None:
     segment_ids = ((sequences > 0) | generated).astype(jnp.int32)
   out = model(sequences, positions, segment_ids)
@@ -94,8 +96,15 @@ def _per_position(model, sequences, generated, params, modes, segment_ids=None,
   ent = -jnp.sum(jnp.where(target > 0, target * logp, 0.0), axis=-1)        # [B, T]
   k_steps = out["mtp_logits"].shape[0]
   alphas, entropies = {mode: [] for mode in modes}, []
+  off_vocab = None
+  if draft_vocab is not None:
+    v = out["mtp_logits"].shape[-1]
+    off_vocab = ~jnp.zeros((v,), bool).at[jnp.asarray(draft_vocab)].set(True)
   for k in range(1, k_steps + 1):
-    q = jnp.exp(sampling.sampling_logprobs(out["mtp_logits"][k - 1], params))   # q_i^k
+    draft_logits = out["mtp_logits"][k - 1]
+    if off_vocab is not None:
+      draft_logits = jnp.where(off_vocab, -jnp.inf, draft_logits)
+    q = jnp.exp(sampling.sampling_logprobs(draft_logits, params))               # q_i^k
     p_shift = jnp.concatenate([target[:, k:], jnp.zeros_like(target[:, :k])], axis=1)
     for mode in modes:
       alphas[mode].append(verify_lib.per_draft_acceptance(q, p_shift, mode))
@@ -108,14 +117,16 @@ def _per_position(model, sequences, generated, params, modes, segment_ids=None,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "modes"))
 def acceptance_by_position(graphdef: nnx.GraphDef, state: nnx.State, sequences: jax.Array,
-                           generated: jax.Array, *, params: sampling.SamplingParams,
+                           generated: jax.Array, draft_vocab: jax.Array | None = None, *,
+                           params: sampling.SamplingParams,
                            modes: tuple[str, ...]) -> dict:
   """{"alpha": {mode: [K, B, T]}, "mask": [K, B, T], "entropy": [K, B, T]}: depth k's
   per-draft acceptance at start position i in each of `modes` (one forward for all),
   whether it counts, and the entropy of the target p_{i+k} it is scored against (after the
-  sampling transform). For acceptance-against-entropy plots."""
+  sampling transform). For acceptance-against-entropy plots. `draft_vocab`: as
+  `teacher_forced_acceptance_by_mode`."""
   alphas, masks, ent = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
-                                     tuple(modes))
+                                     tuple(modes), draft_vocab=draft_vocab)
   return {"alpha": alphas, "mask": masks, "entropy": ent}
 
 
@@ -146,13 +157,15 @@ def teacher_forced_acceptance(graphdef: nnx.GraphDef, state: nnx.State, sequence
 def teacher_forced_acceptance_by_mode(graphdef: nnx.GraphDef, state: nnx.State,
                                       sequences: jax.Array, generated: jax.Array,
                                       segment_ids: jax.Array | None = None,
-                                      positions: jax.Array | None = None, *,
+                                      positions: jax.Array | None = None,
+                                      draft_vocab: jax.Array | None = None, *,
                                       params: sampling.SamplingParams,
                                       modes: tuple[str, ...]) -> dict[str, dict[str, jax.Array]]:
   """{mode: teacher_forced_acceptance's result} for several modes from one forward; with
-  `segment_ids` and `positions`, of rows that pack several sequences (`packed_batches`)."""
+  `segment_ids` and `positions`, of rows that pack several sequences (`packed_batches`);
+  with `draft_vocab`, of a drafter restricted to those tokens."""
   alphas, masks, _ = _per_position(nnx.merge(graphdef, state), sequences, generated, params,
-                                   modes, segment_ids, positions)
+                                   modes, segment_ids, positions, draft_vocab)
   return {mode: _summarise(alphas[mode], masks, None) for mode in modes}
 
 
@@ -175,3 +188,16 @@ def _summarise(alphas, masks, frontier_depths):
       "alpha_unweighted": jnp.sum(m * alphas, axis=(1, 2)) / jnp.maximum(
           jnp.sum(m, axis=(1, 2)), 1.0),
       "positions": jnp.sum(masks, axis=(1, 2))}
+
+
+def binomial_interval(successes: int, trials: int, z: float = 1.959963984540054
+                      ) -> tuple[float, float]:
+  """The Wilson score interval (95% by default) of a binomial rate successes / trials;
+  (0, 1) with no trials."""
+  if trials <= 0:
+    return 0.0, 1.0
+  p = successes / trials
+  denom = 1.0 + z * z / trials
+  centre = (p + z * z / (2 * trials)) / denom
+  half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+  return float(max(0.0, centre - half)), float(min(1.0, centre + half))
