@@ -122,16 +122,33 @@ def base_config() -> ml_collections.ConfigDict:
   c.mtp.tv_interpret = False       # run the Pallas TV kernels in interpret mode (on CPU)
   c.mtp.temperature = 1.0          # rollouts are sampled, and distributions compared, at this
   c.mtp.init_from = ""             # workdir holding the SFT stage; "" = this workdir
-  c.mtp.reinit = False             # re-initialise the MTP modules: learn the drafter from scratch
-  c.mtp.seed = 0                   # the drafter's initialisation (with reinit) and data order;
-                                   # the self-distilled rollouts stay the same
-  c.mtp.batch_size = 16            # packed rows of data.seq_len per step
+  c.mtp.init = "sft"               # the drafter it starts from: bebop_jax.model.drafter_init.INITS
+                                   # (sft: the checkpoint's, e.g. trained jointly with SFT;
+                                   # fresh: random; copy_last_block: the trunk's last layer)
+  c.mtp.proj_init = "random"       # copy_last_block's projection: model.drafter_init.PROJ_INITS
+  c.mtp.seed = 0                   # the drafter's initialisation (fresh) and data order;
+                                   # the policy's rollouts stay the same
+  # The schedule: warm_start.loss for warm_start.steps steps, then mtp.loss to
+  # train.num_steps (docs/mtp.md: e2e-TV's gradient at a depth is scaled by the other
+  # depths' acceptance, ~0 for a drafter that starts cold).
+  c.mtp.warm_start = ml_collections.ConfigDict(dict(loss="kl", steps=0))
+  c.mtp.batch_size = 16            # packed rows of mtp.seq_len per step
+  c.mtp.seq_len = 0                # packed row length; 0 = data.seq_len
+  c.mtp.features = "cached"        # the frozen trunk's h0: cached (computed once per dataset
+                                   # into the drafter store) or in_step (every step runs it)
+  c.mtp.features_batch_size = 16   # rows per forward when computing the cached features
+  c.mtp.draft_vocab = 0            # > 0: the drafter drafts from its this-many most frequent
+                                   # policy tokens (decoding/draft_vocab.py), stored with it
   c.mtp.eval_modes = ("rejection", "greedy_draft")
-  c.mtp.eval_before = True         # also measure the SFT drafter, for comparison
+  c.mtp.eval_before = True         # also measure the initial drafter, for comparison
+  c.mtp.eval_before_online = True  # ... by speculative decoding too (else teacher-forced only)
+  c.mtp.eval_online = True         # measure the trained drafter by speculative decoding too
   c.mtp.data = ml_collections.ConfigDict()
   c.mtp.data.num_prompts = 1024    # training prompts (split over tasks by data weights)
   c.mtp.data.max_new_tokens = 160  # completion budget of a rollout (replies included)
   c.mtp.data.batch_size = 64       # rollout batch
+  c.mtp.data.engine = "autoregressive"  # how the rollouts are sampled (the same law either
+                                   # way; an untrained drafter makes speculative slower)
   c.mtp.optim = optim_defaults(learning_rate=2e-3, warmup_steps=20, trainable="mtp")
   c.mtp.train = loop_defaults(num_steps=300, log_every=25, checkpoint_every=100)
 
@@ -169,7 +186,8 @@ def base_config() -> ml_collections.ConfigDict:
       max_new_tokens=160,          # completion budget (policy turns and replies)
       batch_size=32,               # rows per decoding call
       # A reduced draft vocabulary: the drafter's V most frequent training tokens (and the
-      # stop tokens); 0 = the whole head (decoding/draft_vocab.py).
+      # stop tokens); 0 = the drafter's own (mtp.draft_vocab; the whole head when it has
+      # none) (decoding/draft_vocab.py).
       draft_vocab=0))
   c.rl.acceptance_modes = ("rejection", "greedy_draft")  # teacher-forced on each batch
   c.rl.optim = optim_defaults(learning_rate=3e-4, warmup_steps=0, decay="constant",
@@ -525,12 +543,30 @@ def _validate_mtp(config: ml_collections.ConfigDict) -> None:
     _fail("mtp.eval_modes", m.eval_modes, f"a non-empty tuple from {allowed}")
   if not isinstance(m.seed, int) or m.seed < 0:
     _fail("mtp.seed", m.seed, "must be an int >= 0")
-  if not isinstance(m.reinit, bool):
-    _fail("mtp.reinit", m.reinit, "must be True or False")
-  if not isinstance(m.eval_before, bool):
-    _fail("mtp.eval_before", m.eval_before, "must be True or False")
-  for key in ("mtp.batch_size", "mtp.data.num_prompts", "mtp.data.max_new_tokens",
-              "mtp.data.batch_size"):
+  from bebop_jax.model import drafter_init  # pylint: disable=g-import-not-at-top
+  if m.init not in drafter_init.INITS:
+    _fail("mtp.init", m.init, f"one of {drafter_init.INITS}")
+  if m.proj_init not in drafter_init.PROJ_INITS:
+    _fail("mtp.proj_init", m.proj_init, f"one of {drafter_init.PROJ_INITS}")
+  if m.warm_start.loss not in mtp_losses.LOSSES:
+    _fail("mtp.warm_start.loss", m.warm_start.loss, f"one of {mtp_losses.LOSSES}")
+  if not isinstance(m.warm_start.steps, int) or m.warm_start.steps < 0:
+    _fail("mtp.warm_start.steps", m.warm_start.steps, "must be an int >= 0")
+  for key in ("eval_before", "eval_before_online", "eval_online"):
+    if not isinstance(m[key], bool):
+      _fail(f"mtp.{key}", m[key], "must be True or False")
+  if m.features not in ("cached", "in_step"):
+    _fail("mtp.features", m.features, "one of ('cached', 'in_step')")
+  if m.data.engine not in ("autoregressive", "speculative"):
+    _fail("mtp.data.engine", m.data.engine, "one of ('autoregressive', 'speculative')")
+  if not isinstance(m.seq_len, int) or m.seq_len < 0:
+    _fail("mtp.seq_len", m.seq_len, "must be an int >= 0 (0 = data.seq_len)")
+  v = config.model.vocab_size
+  if not isinstance(m.draft_vocab, int) or not 0 <= m.draft_vocab <= v:
+    _fail("mtp.draft_vocab", m.draft_vocab, f"an int in [0, model.vocab_size={v}] (0 = the "
+          "whole head)")
+  for key in ("mtp.batch_size", "mtp.features_batch_size", "mtp.data.num_prompts",
+              "mtp.data.max_new_tokens", "mtp.data.batch_size"):
     _positive_int(config, key)
   _validate_training(config, "mtp", batch_key="mtp.batch_size")
 

@@ -60,17 +60,19 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
 
 
 def entropy_points(graphdef, params, sequences, *, temperatures, modes: tuple[str, ...],
-                   batch_size=64, buckets=batching.PROMPT_BUCKETS, progress=None
-                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+                   batch_size=64, buckets=batching.PROMPT_BUCKETS, progress=None,
+                   draft_vocab=None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """{mode: (entropy, depth-1 acceptance)} per counted position, pooled over temperatures
-  (one forward per batch and temperature for all modes); `progress.update()` after each."""
+  (one forward per batch and temperature for all modes); `progress.update()` after each;
+  the drafts from `draft_vocab` when given (the drafter's reduced vocabulary)."""
+  vocab = None if draft_vocab is None else jnp.asarray(draft_vocab)
   longest = batching.bucket(max(len(t) for t, _ in sequences), buckets)
   ents, alphas = [], {mode: [] for mode in modes}
   for t in temperatures:
     params_s = sampling.SamplingParams(temperature=t)
     for seq, gen in diagnostics.padded_batches(sequences, batch_size, longest):
       out = jax.device_get(diagnostics.acceptance_by_position(
-          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=params_s,
+          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), vocab, params=params_s,
           modes=tuple(modes)))
       m = out["mask"][0]
       ents.append(out["entropy"][0][m])
@@ -99,10 +101,6 @@ def policy_to_measure(config: ml_collections.ConfigDict, workdir: str
   return graphdef, params, {"stage": "mtp", "step": int(mtp_summary["steps"])}
 
 
-def _heldout_tasks(config) -> dict[str, int]:
-  return {n: config.eval.num_examples for n in mtp._per_task(config, 1)}  # pylint: disable=protected-access
-
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Measures, writes summary.json, plots and report.md; skipped when summary.json exists."""
   done = read_summary(workdir)
@@ -124,10 +122,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   # Decode speed against autoregressive decoding, same prompts, same process.
   progress = bar(len(r.batch_sizes), "decode speed", "batch size")
+  vocab = mtp.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
   rows = benchmark.run_benchmark(
       config, graphdef, params, batch_sizes=tuple(r.batch_sizes), temperatures=[m.temperature],
       modes=list(modes), max_new=config.eval.max_new_tokens, repeats=r.repeats,
       num_prompts=r.num_prompts,
+      draft_vocabs=None if vocab is None else {str(len(vocab)): vocab},
       adaptive_settings=(adaptive.settings_from_config(config)
                          if config.decoding.adaptive.enabled else None),
       on_measured=progress.update)
@@ -137,12 +137,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # target entropy.
   after = mtp_summary["after"]
   if rl_summary is None:
-    sequences = mtp.self_distillation_data(  # cached by the MTP stage
-        config, graphdef, params, os.path.join(mtp.sft_workdir(config, workdir), "mtp_data"),
-        "test", _heldout_tasks(config))["sequences"]
+    sequences = mtp.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
   else:
     # This policy's own rollouts, with the MTP stage's held-out prompts and settings.
-    rollouts = mtp.policy_rollouts(config, graphdef, params, "test", _heldout_tasks(config),
+    rollouts = mtp.policy_rollouts(config, graphdef, params, "test", mtp.heldout_tasks(config),
                                    progress=r.progress, desc="[eval] held-out rollouts")
     sequences = [seq for ro in rollouts.values() for seq in ro.sequences()]
   progress = bar(len(r.entropy_temperatures) * -(-len(sequences) // config.eval.batch_size),
@@ -151,7 +149,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                            temperatures=tuple(r.entropy_temperatures),
                            modes=("rejection", "greedy_draft"),
                            batch_size=config.eval.batch_size,
-                           buckets=tuple(config.eval.prompt_buckets), progress=progress)
+                           buckets=tuple(config.eval.prompt_buckets), progress=progress,
+                           draft_vocab=vocab)
   progress.close()
   fits = {mode: linear_fit(*pts) for mode, pts in entropy.items()}
 
@@ -179,7 +178,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 "accuracy_se_before_rl": rl_summary["pass_at_1_se_before"]}
     teacher_forced = mtp.teacher_forced_acceptance(
         graphdef, params, sequences, temperature=m.temperature, modes=rl_modes,
-        batch_size=config.eval.batch_size, buckets=tuple(config.eval.prompt_buckets))
+        batch_size=config.eval.batch_size, buckets=tuple(config.eval.prompt_buckets),
+        draft_vocab=vocab)
     figures = {"acceptance_online": rl_summary["acceptance_after"],
                "tokens_per_target_forward": rl_summary["tokens_per_target_forward_after"],
                "acceptance_teacher_forced": {mode: teacher_forced[mode]["alpha"]
@@ -271,10 +271,12 @@ def rl_section(r: dict) -> dict:
 def _compact(ev: dict | None, modes) -> dict | None:
   if not ev:
     return None
-  return {"acceptance_online": {m: ev["online"][m]["acceptance"] for m in modes},
-          "tokens_per_target_forward": {m: ev["online"][m]["tokens_per_target_forward"]
-                                        for m in modes},
-          "acceptance_teacher_forced": {m: ev["teacher_forced"][m]["alpha"] for m in modes}}
+  out = {"acceptance_teacher_forced": {m: ev["teacher_forced"][m]["alpha"] for m in modes}}
+  if "online" in ev:  # the initial drafter may be measured teacher-forced only
+    out.update(acceptance_online={m: ev["online"][m]["acceptance"] for m in modes},
+               tokens_per_target_forward={m: ev["online"][m]["tokens_per_target_forward"]
+                                          for m in modes})
+  return out
 
 
 THROUGHPUT_KEYS = ("steady_step_time_s", "model_flops_per_s", "matmul_flops_per_s",

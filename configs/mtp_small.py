@@ -40,7 +40,7 @@ def get_config(arg: str | None = None):
   config.mtp.loss = args.get("loss", "e2e_tv")
   # Each loss learns the drafter from scratch: the SFT's jointly trained MTP module is
   # already near-saturated on these tasks, which would hide the objectives' differences.
-  config.mtp.reinit = True
+  config.mtp.init = "fresh"
   config.mtp.temperature = 1.0
   config.mtp.data.num_prompts = 1536
   config.mtp.data.max_new_tokens = 160

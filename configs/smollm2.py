@@ -17,9 +17,9 @@ the single-turn ones, which need no token the pretrained model has not seen.
 
   sft   a short fine-tune that teaches the answer format (the model is already an instruct
         model; this is format, not knowledge);
-  mtp   one MTP module started from a copy of the last decoder block (hf_mtp
-        copy_last_block), trained with e2e-TV over K = 3 depths on the SFT policy's own
-        rollouts at temperature 1, the trunk frozen;
+  mtp   one MTP module, freshly initialised, warmed up with KL and refined with e2e-TV
+        over K = 3 depths on the SFT policy's own rollouts at temperature 1 (the trunk
+        frozen), drafting from a reduced vocabulary of 2048 tokens;
   rl    GRPO on speculative rollouts (rejection sampling), the drafter frozen;
   eval  pass@1, acceptance per depth and the speculative / autoregressive wall clock.
 
@@ -77,17 +77,28 @@ def get_config(arg: str | None = None):
   config.sft.optim.warmup_steps = 6
   config.sft.optim.weight_decay = 0.0
 
+  # The drafter recipe (docs/mtp.md): a fresh MTP module, warmed up with KL for 500
+  # steps, then refined with e2e-TV; trained on the policy's own rollouts of 1536 prompts
+  # (sampled once, autoregressively, keeping the trunk's hidden states), its heads at the
+  # loss positions only and over its reduced vocabulary of 2048 tokens.
   config.mtp.loss = "e2e_tv"
+  config.mtp.init = "fresh"
+  config.mtp.warm_start.loss = "kl"
+  config.mtp.warm_start.steps = 500
+  config.mtp.draft_vocab = 2048
   config.mtp.temperature = 1.0
-  config.mtp.data.num_prompts = 256
+  config.mtp.seq_len = 256
+  config.mtp.data.num_prompts = 1536
   config.mtp.data.max_new_tokens = 64
   config.mtp.data.batch_size = 64
   config.mtp.batch_size = 8
-  config.mtp.train.num_steps = 48
-  config.mtp.train.log_every = 10
-  config.mtp.train.checkpoint_every = 24
-  config.mtp.optim.learning_rate = 3e-4
-  config.mtp.optim.warmup_steps = 10
+  config.mtp.eval_before = False  # a fresh drafter: its step-0 held-out point says enough
+  config.mtp.train.num_steps = 700
+  config.mtp.train.log_every = 25
+  config.mtp.train.eval_every = 100
+  config.mtp.train.checkpoint_every = 100
+  config.mtp.optim.learning_rate = 3e-3
+  config.mtp.optim.warmup_steps = 20
 
   config.rl.prompts_per_batch = 8
   config.rl.group_size = 4

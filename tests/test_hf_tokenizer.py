@@ -296,11 +296,10 @@ def test_use_tokenizer_and_stages_run_restore_the_previous_one(files, tmp_path, 
 def test_cached_rollouts_are_keyed_by_the_tokenizer(files):
   """The MTP stage caches rollout token ids (train/mtp.py); the TFDS datasets hold text."""
   from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
-  key = mtp._data_key  # pylint: disable=protected-access
-  keys = {spec: key(_config(spec), "train", 8)
+  keys = {spec: mtp.store_key(_config(spec))
           for spec in ("char", files["with_markers"], files["without_markers"])}
   assert len(set(keys.values())) == 3
-  assert key(config_lib.base_config(), "train", 8) == keys["char"]
+  assert mtp.store_key(config_lib.base_config()) == keys["char"]
 
 
 def test_the_char_tokenizer_implements_the_interface():

@@ -11,6 +11,7 @@ import pytest
 from bebop_jax import config as config_lib
 from bebop_jax import stages
 from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import mtp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,20 +154,25 @@ def test_rerun_reuses_everything(job, capsys):
   table = out[out.index(f"== {os.path.abspath(workdir)} =="):]
   assert "before RL ->" in table and "summary.json" in table and "time " in table
   assert time.perf_counter() - start < 30
-  data_files = os.listdir(os.path.join(workdir, "mtp_data"))
-  assert len([f for f in data_files if f.endswith(".npz")]) == 2  # train and held-out
+  store = mtp.drafter_store(config, workdir)  # the drafter dataset, sampled once
+  assert sorted(store.meta()["splits"]) == ["test", "train"]
+  assert len(os.listdir(os.path.dirname(store.path))) == 1
 
 
-def test_interrupted_mtp_stage_resumes(job, tmp_path):
+def test_interrupted_mtp_stage_resumes_across_its_warm_start(job, tmp_path):
+  """Another loss from the same SFT workdir (as a sweep does: the drafter dataset is not
+  sampled again), a warm start of one KL step, stopped after it: the rerun resumes with the
+  configured loss. Each step's logged loss is its phase's objective."""
   data_dir, sft_workdir, _ = job
-  # Another loss from the same SFT workdir (as a sweep does), stopped after 1 of 2 steps.
   def config(**train):
     c = _config(data_dir)
     c.stages = ("mtp",)
     c.mtp.loss = "tv"
+    c.mtp.warm_start.loss = "kl"
+    c.mtp.warm_start.steps = 1
     c.mtp.init_from = sft_workdir
     c.mtp.eval_modes = ("rejection",)
-    c.mtp.train.update(train)
+    c.mtp.train.update(dict(log_every=1, **train))
     return config_lib.validate(c)
 
   workdir = str(tmp_path)
@@ -174,6 +180,44 @@ def test_interrupted_mtp_stage_resumes(job, tmp_path):
   assert not summary["complete"] and summary["steps"] == 1 and mtp.read_summary(workdir) is None
   summary = mtp.run(config(), workdir)
   assert summary["complete"] and summary["steps"] == 2 and summary["loss"] == "tv"
+  assert summary["schedule"] == [["kl", 1], ["tv", 2]]
+  assert summary["timing"]["features_from"] == "stored"  # by the job's MTP stage
+  logged = {r["step"]: r for r in metrics_lib.read_metrics(workdir, "mtp") if "loss" in r}
+  k = config().model.num_draft_steps
+  mean = lambda r, name: np.mean([r[f"{name}_{d}"] for d in range(1, k + 1)])
+  assert logged[1]["loss"] == pytest.approx(mean(logged[1], "kl"), rel=1e-5)
+  assert logged[2]["loss"] == pytest.approx(mean(logged[2], "tv"), rel=1e-5)
+  assert abs(logged[2]["loss"] - mean(logged[2], "kl")) > 1e-3
+
+
+def test_an_mtp_stage_with_a_reduced_draft_vocabulary(job, tmp_path):
+  """mtp.draft_vocab: the drafter is trained and measured on its most frequent tokens (the
+  stop tokens in), the ids are stored with it, and the RL stage drafts from them by
+  default (rl.rollout.draft_vocab 0)."""
+  from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+  data_dir, sft_workdir, _ = job
+  c = _config(data_dir)
+  c.stages = ("mtp",)
+  c.mtp.init_from = sft_workdir
+  c.mtp.draft_vocab = 12
+  c.mtp.eval_modes = ("rejection",)
+  c.mtp.train.eval_every = 1
+  config = config_lib.validate(c)
+  workdir = str(tmp_path)
+  summary = mtp.run(config, workdir)
+  ids = mtp.stored_draft_vocabulary(workdir)
+  assert len(ids) == 12 and 2 in ids.tolist()  # the end of sequence can be drafted
+  assert 0 < summary["draft_vocab"]["coverage_train"] <= 1
+  assert summary["draft_vocab"]["size"] == 12
+  online = summary["after"]["online"]["rejection"]
+  assert len(online["interval"]) == config.model.num_draft_steps
+  assert all(lo <= a <= hi for a, (lo, hi) in zip(online["acceptance"], online["interval"]))
+  assert sum(online["attempted"]) > 0
+  assert set(summary["after"]["heldout"]) >= {"alpha_1", "alpha_unweighted_1",
+                                               "draft_events_1"}
+  curve = [r for r in metrics_lib.read_metrics(workdir, "mtp") if "eval/alpha_1" in r]
+  assert [r["step"] for r in curve] == [0, 1, 2]
+  assert tuple(rl_stage.draft_vocabulary(config, workdir)) == tuple(ids.tolist())
 
 
 def test_pack_rows():

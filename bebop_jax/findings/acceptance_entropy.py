@@ -18,7 +18,6 @@ corrected for autocorrelation (stats.fit_series). The verdicts are rules.F1 and 
 
 from __future__ import annotations
 
-import os
 import time
 
 import jax
@@ -65,10 +64,9 @@ def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   config = ctx.drafter_config("e2e_tv", 0)
   workdir = ctx.drafter("e2e_tv", 0)
   graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
-  heldout = mtp.self_distillation_data(  # cached by the MTP stage
-      config, graphdef, params, os.path.join(mtp.sft_workdir(config, workdir), "mtp_data"),
-      "test", {n: config.eval.num_examples for n in mtp._per_task(config, 1)})  # pylint: disable=protected-access
-  sequences = heldout["sequences"]
+  sequences = mtp.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
+  vocab = mtp.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
+  vocab = None if vocab is None else jnp.asarray(vocab)
   length = batching.bucket(max(len(t) for t, _ in sequences), tuple(config.eval.prompt_buckets))
   out = {mode: {"temperature": [], "entropy": [], "depth1": [], "mean": []}
          for mode in common.MODES}
@@ -79,7 +77,7 @@ def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
     alpha_n = 0.0
     for seq, gen in diagnostics.padded_batches(sequences, config.eval.batch_size, length):
       r = jax.device_get(diagnostics.acceptance_by_position(  # one forward for all modes
-          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), params=sp,
+          graphdef, params, jnp.asarray(seq), jnp.asarray(gen), vocab, params=sp,
           modes=common.MODES))
       m = np.asarray(r["mask"], float)                                      # [K, B, T]
       ent_sum += float(np.sum(r["entropy"][0] * m[0]))

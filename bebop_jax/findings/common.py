@@ -6,7 +6,7 @@ Stage outputs under a workdir, each made once and reused by every finding that n
   objectives/<loss>/seed<k>/     an MTP stage from base/: the jointly trained drafter
                                  fine-tuned with <loss>, seed k (data order)
   objectives_scratch/<loss>/seed<k>/
-                                 the same budget from a fresh drafter (mtp.reinit)
+                                 the same budget from a fresh drafter (mtp.init "fresh")
   through_rl/<arm>/              an RL stage from objectives/<loss>/seed0 with a drafter
                                  strategy (DRAFTER_ARMS), at the scale's rl_* settings, which
                                  move the policy; the frozen_e2e_tv arm's steps are also
@@ -296,7 +296,7 @@ class Context:
     c.stages = ("mtp",)
     c.mtp.loss = loss
     c.mtp.seed = seed
-    c.mtp.reinit = start == "scratch"
+    c.mtp.init = "fresh" if start == "scratch" else "sft"
     c.mtp.eval_before = False
     c.mtp.eval_modes = MODES
     if self.scale.mtp_steps:

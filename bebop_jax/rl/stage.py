@@ -98,13 +98,18 @@ def load_initial_policy(config: ml_collections.ConfigDict, workdir: str
 
 def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
                      ) -> tuple[int, ...] | None:
-  """The reduced draft vocabulary of rl.rollout.draft_vocab (None when 0: the whole head),
-  chosen from the token counts stored with the drafter the RL stage starts from, with the
-  stop tokens always in."""
+  """The reduced draft vocabulary the rollouts draft from: with rl.rollout.draft_vocab 0,
+  the one stored with the drafter the RL stage starts from (mtp.draft_vocab; None, the
+  whole head, when it has none); with a size, that many tokens chosen from the token
+  counts stored with the drafter, with the stop tokens always in."""
   size = config.rl.rollout.draft_vocab
-  if not size:
-    return None
   source = feedworkdir(config, workdir)
+  if not size:
+    ids = mtp_stage.stored_draft_vocabulary(source)
+    if ids is None:
+      return None
+    print(f"[rl] draft vocabulary: the drafter's {len(ids)} tokens")
+    return tuple(int(i) for i in ids)
   if mtp_stage.read_summary(source) is None:
     raise FileNotFoundError(f"rl.rollout.draft_vocab={size} needs the drafter's token "
                             f"counts: no completed MTP stage in {source}")
@@ -195,16 +200,18 @@ def paired_difference(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def _teacher_forced(graphdef, params, rollouts: rollout.Rollouts, modes, temperature: float,
-                    batch_size: int, pack_length: int) -> dict[str, dict[str, list[float]]]:
+                    batch_size: int, pack_length: int, draft_vocab=None
+                    ) -> dict[str, dict[str, list[float]]]:
   """Per mode: train.mtp.teacher_forced_acceptance of the rollouts under `params` ("alpha":
   per-depth acceptance weighted by the probability of reaching the depth; "positions": the
   weights that combine calls), one forward for all modes; the rollouts packed into rows of
-  `pack_length` positions, `batch_size` rows per forward."""
+  `pack_length` positions, `batch_size` rows per forward; the drafts from `draft_vocab`
+  when given."""
   if not modes:
     return {}
   return mtp_stage.teacher_forced_acceptance(
       graphdef, params, rollouts.sequences(), temperature=temperature, modes=modes,
-      batch_size=batch_size, pack_length=pack_length)
+      batch_size=batch_size, pack_length=pack_length, draft_vocab=draft_vocab)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -407,7 +414,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
       nonlocal diagnostics_s
       t = time.perf_counter()
       scored.append(_teacher_forced(graphdef, params, part, tf_modes, c.rollout.temperature,
-                                    c.rollout.batch_size, pack_length))
+                                    c.rollout.batch_size, pack_length, draft_vocab))
       diagnostics_s += time.perf_counter() - t
 
     with place.rollout_context():

@@ -22,6 +22,7 @@ Workdir layout: <workdir>/mtp/checkpoints (orbax: MTP parameters, optimizer, dat
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,12 +40,14 @@ from bebop_jax import evaluation
 from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import drafter_store as drafter_store_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import batching, diagnostics, sampling
 from bebop_jax.decoding import draft_vocab as draft_vocab_lib
 from bebop_jax.losses import mtp as mtp_losses
+from bebop_jax.model import drafter_init
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
@@ -55,7 +58,6 @@ from bebop_jax.train import sft
 from bebop_jax.train import trainer
 
 STAGE = "mtp"
-_ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 
 def stage_dir(workdir: str) -> str:
@@ -92,46 +94,67 @@ def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
   return out
 
 
-def pack_rows(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int
-              ) -> dict[str, np.ndarray]:
-  """First-fit packing of (tokens, loss_mask) sequences into rows [R, seq_len] with segment
-  ids (1, 2, ... per sequence; 0 = padding) and per-sequence positions. Longer sequences are
-  cut to seq_len."""
-  rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
-  free: list[int] = []
-  for tokens, mask in sorted(sequences, key=lambda s: -len(s[0])):
-    tokens, mask = tokens[:seq_len], mask[:seq_len]
-    for r, room in enumerate(free):
-      if room >= len(tokens):
-        rows[r].append((tokens, mask))
-        free[r] -= len(tokens)
-        break
-    else:
-      rows.append([(tokens, mask)])
-      free.append(seq_len - len(tokens))
-  out = {k: np.zeros((len(rows), seq_len), np.int32) for k in _ROW_KEYS}
-  for r, row in enumerate(rows):
-    at = 0
-    for seg, (tokens, mask) in enumerate(row, start=1):
-      n = len(tokens)
-      out["tokens"][r, at:at + n] = tokens
-      out["loss_mask"][r, at:at + n] = mask
-      out["segment_ids"][r, at:at + n] = seg
-      out["positions"][r, at:at + n] = np.arange(n)
-      at += n
+def pack_rows(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
+              max_targets: int | None = None) -> dict[str, np.ndarray]:
+  """First-fit-decreasing packing (batching.first_fit_decreasing) of (tokens, loss_mask)
+  sequences into rows [R, seq_len] with segment ids (1, 2, ... per sequence; 0 = padding)
+  and per-sequence positions. Longer sequences are cut to seq_len. With `max_targets`, no
+  row holds more than that many loss targets, and "rows" [R, max_targets] lists the rows'
+  target rows (losses.mtp.loss_rows: where the MTP head runs)."""
+  cut, seg, pos, spans = _layout(sequences, seq_len, max_targets)
+  out = {"tokens": np.zeros(seg.shape, np.int32), "segment_ids": seg,
+         "positions": pos, "loss_mask": np.zeros(seg.shape, np.int32)}
+  for r, i, span in spans:
+    out["tokens"][r, span], out["loss_mask"][r, span] = cut[i]
+  if max_targets is not None:
+    out["rows"] = mtp_losses.loss_rows(out["loss_mask"], max_targets)
   return out
 
 
-def _data_key(config: ml_collections.ConfigDict, split: str, num: int) -> str:
+def _layout(sequences, seq_len: int, max_targets: int | None):
+  """(sequences cut to seq_len, segment_ids, positions, spans): `pack_rows`' placement."""
+  cut = [(np.asarray(t[:seq_len]), np.asarray(m[:seq_len])) for t, m in sequences]
+  lengths = np.array([len(t) for t, _ in cut])
+  targets = None if max_targets is None else np.array(
+      [int(np.sum(np.asarray(m[1:]) > 0)) for _, m in cut])
+  bins = batching.first_fit_decreasing(lengths, seq_len, targets, max_targets)
+  seg, pos, spans = batching.pack_layout(bins, lengths, len(bins), seq_len)
+  return cut, seg, pos, spans
+
+
+def pack_hidden(hidden: Sequence[np.ndarray], sequences, seq_len: int,
+                max_targets: int | None = None) -> np.ndarray:
+  """[R, seq_len, E] float32: per-sequence features `hidden` ([len, E] each, e.g. the h0
+  decoding kept, Rollouts.hidden) placed where `pack_rows(sequences, seq_len, max_targets)`
+  puts their sequences (0 on padding)."""
+  _, seg, _, spans = _layout(sequences, seq_len, max_targets)
+  out = np.zeros(seg.shape + (hidden[0].shape[-1],), np.float32)
+  for r, i, span in spans:
+    n = span.stop - span.start
+    if len(hidden[i]) < n:
+      raise ValueError(f"sequence {i} has {n} tokens but {len(hidden[i])} feature rows")
+    out[r, span] = hidden[i][:n]
+  return out
+
+
+def store_key(config: ml_collections.ConfigDict) -> str:
+  """The drafter store's key: everything the policy's rollouts depend on besides the policy
+  (the store lives under the policy's workdir) and the number of prompts (the split's)."""
   m, d = config.mtp, config.data
-  key = {"split": split, "num": num, "temperature": m.temperature,
-         "max_new_tokens": m.data.max_new_tokens, "seed": config.seed,
-         "tasks": d.tasks.to_dict(), "data_seed": d.seed,
+  key = {"temperature": m.temperature, "max_new_tokens": m.data.max_new_tokens,
+         "seed": config.seed, "tasks": d.tasks.to_dict(), "data_seed": d.seed,
          "num_train": d.num_train, "num_test": d.num_test}
-  if d.tokenizer != tokenizer_lib.CHAR:  # the cache holds ids; char caches keep their names
+  if d.tokenizer != tokenizer_lib.CHAR:  # the store holds ids; char stores keep their names
     key["tokenizer"] = tokenizer_lib.for_data(d).fingerprint
   blob = json.dumps(key, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def drafter_store(config: ml_collections.ConfigDict, workdir: str) -> drafter_store_lib.DrafterStore:
+  """The store of the drafter dataset of the policy the MTP stage of `workdir` trains for:
+  <sft workdir>/drafter_data/<store_key>, shared by every objective and seed."""
+  return drafter_store_lib.DrafterStore(
+      os.path.join(sft_workdir(config, workdir), "drafter_data", store_key(config)))
 
 
 def _examples(config, split: str, per_task: dict[str, int]) -> dict[str, list]:
@@ -145,72 +168,162 @@ def _per_task(config, total: int) -> dict[str, int]:
   return dict(zip(names, counts.tolist()))
 
 
+def heldout_tasks(config: ml_collections.ConfigDict) -> dict[str, int]:
+  """{task: eval.num_examples} of the drafter dataset's held-out split."""
+  return {n: config.eval.num_examples for n in _per_task(config, 1)}
+
+
 def policy_rollouts(config: ml_collections.ConfigDict, graphdef, params, split: str,
                     per_task: dict[str, int], *, progress: bool = False,
-                    desc: str = f"[{STAGE}] rollouts") -> dict[str, rollout.Rollouts]:
+                    desc: str = f"[{STAGE}] rollouts", engine: str = "speculative",
+                    return_hidden: bool | None = None) -> dict[str, rollout.Rollouts]:
   """{task: one rollout per prompt} of the first `per_task[task]` `split` prompts, sampled
   from `params` with the MTP stage's settings (temperature, budget, batch; full support) and
-  its key for the split. Not cached (self_distillation_data caches them)."""
+  its key for the split, by `engine` (the same law either way; autoregressive rollouts keep
+  the trunk's h0, Rollouts.hidden, unless `return_hidden` is False). Not stored
+  (`drafter_dataset` stores them)."""
+  if return_hidden is None:
+    return_hidden = engine == "autoregressive"
   m = config.mtp
   task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task}
   return sample_rollouts(
       graphdef, params, _examples(config, split, per_task), task_objs,
       jax.random.key(config.seed + (17 if split == "train" else 29)),
-      evaluation.settings(config, temperature=m.temperature, top_k=0, top_p=1.0,
-                          max_new_tokens=m.data.max_new_tokens, batch_size=m.data.batch_size),
+      evaluation.settings(config, engine=engine, temperature=m.temperature, top_k=0,
+                          top_p=1.0, max_new_tokens=m.data.max_new_tokens,
+                          batch_size=m.data.batch_size, return_hidden=return_hidden),
       progress=progress, desc=desc)
 
 
-def self_distillation_data(config: ml_collections.ConfigDict, graphdef, params, data_dir: str,
-                           split: str, per_task: dict[str, int]) -> dict[str, Any]:
-  """Cached rollouts of the policy on `split` prompts: {"sequences": [(tokens, mask)], ...}.
-  Written atomically (tmp + rename), so an interrupted run regenerates, never half-reads."""
-  os.makedirs(data_dir, exist_ok=True)
-  path = os.path.join(data_dir, f"{split}_{_data_key(config, split, sum(per_task.values()))}"
-                                f".npz")
-  if os.path.exists(path):
-    with np.load(path) as f:
-      tokens, masks, lengths = f["tokens"], f["loss_mask"], f["lengths"]
-      meta = json.loads(str(f["meta"]))
-    return {"sequences": [(tokens[i, :n], masks[i, :n]) for i, n in enumerate(lengths)],
+def drafter_dataset(config: ml_collections.ConfigDict, graphdef, params,
+                    store: drafter_store_lib.DrafterStore, split: str,
+                    per_task: dict[str, int]) -> dict[str, Any]:
+  """The policy's rollouts on the first `per_task` prompts of `split`, from `store`, sampled
+  (by mtp.data.engine, at mtp.data.batch_size) and stored first when the store lacks them:
+  {"records": [{tokens, loss_mask, task, reward}], "sequences": [(tokens, loss_mask)],
+  "cached": bool, "seconds", "reward" {task: mean}, "policy_tokens", "per_task"}."""
+  meta = store.meta()["splits"].get(split)
+  if meta is not None and meta.get("per_task") == per_task and store.has_split(split):
+    records = store.read_split(split)
+    return {"records": records, "sequences": drafter_store_lib.sequences(records),
             "cached": True, **meta}
   start = time.perf_counter()
   rollouts = policy_rollouts(config, graphdef, params, split, per_task,
-                             progress=config.mtp.train.progress)
-  seqs = [seq for r in rollouts.values() for seq in r.sequences()]
-  meta = {"seconds": time.perf_counter() - start,
+                             progress=config.mtp.train.progress,
+                             engine=config.mtp.data.engine)
+  hidden = None  # autoregressive decoding kept h0 at every position: the trunk features
+  if all(r.hidden is not None for r in rollouts.values()):
+    hidden = [h for r in rollouts.values() for h in r.hidden]
+  records = [{"tokens": tokens, "loss_mask": mask, "task": name, "reward": float(reward)}
+             for name, r in rollouts.items()
+             for (tokens, mask), reward in zip(r.sequences(), r.rewards)]
+  meta = {"seconds": time.perf_counter() - start, "per_task": per_task,
+          "engine": config.mtp.data.engine, "batch_size": config.mtp.data.batch_size,
           "reward": {n: float(r.rewards.mean()) for n, r in rollouts.items()},
           "policy_tokens": int(sum(r.policy_tokens() for r in rollouts.values()))}
-  longest = max(len(t) for t, _ in seqs)
-  tokens = np.zeros((len(seqs), longest), np.int32)
-  masks = np.zeros_like(tokens)
-  for i, (t, mk) in enumerate(seqs):
-    tokens[i, :len(t)], masks[i, :len(t)] = t, mk
-  tmp = path + ".tmp.npz"
-  np.savez(tmp, tokens=tokens, loss_mask=masks, lengths=np.array([len(t) for t, _ in seqs]),
-           meta=json.dumps(meta))
-  os.replace(tmp, path)
-  return {"sequences": seqs, "cached": False, **meta}
+  store.write_split(split, records, meta)
+  return {"records": records, "sequences": drafter_store_lib.sequences(records),
+          "cached": False, "hidden": hidden, **store.meta()["splits"][split]}
+
+
+def heldout_sequences(config: ml_collections.ConfigDict, workdir: str, graphdef, params
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(tokens, loss_mask) of the drafter dataset's held-out split (stored by the MTP stage;
+  sampled from `params` when absent)."""
+  return drafter_dataset(config, graphdef, params, drafter_store(config, workdir), "test",
+                         heldout_tasks(config))["sequences"]
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def trunk_features(graphdef: nnx.GraphDef, params: nnx.State, rows: dict[str, np.ndarray],
+                   batch_size: int, progress: bool = False) -> np.ndarray:
+  """[R, T, E] float32: the main model's h0 over packed rows (tokens, positions,
+  segment_ids), `batch_size` rows per forward: what the frozen trunk gives the drafter's
+  training step (Policy.__call__'s `hidden=`)."""
+  fn = _trunk_hidden(graphdef)
+  n, t = rows["tokens"].shape
+  out = None
+  bar = metrics_lib.Progress(n, 0, f"[{STAGE}] trunk features", disable=not progress,
+                             unit="row")
+  for first in range(0, n, batch_size):
+    take = {k: rows[k][first:first + batch_size] for k in ("tokens", "positions",
+                                                            "segment_ids")}
+    got = len(take["tokens"])
+    if got < batch_size:  # one shape: pad the last batch with empty rows
+      take = {k: np.pad(v, ((0, batch_size - got), (0, 0))) for k, v in take.items()}
+    h = np.asarray(jax.device_get(fn(params, take["tokens"], take["positions"],
+                                     take["segment_ids"])))[:got]
+    if out is None:
+      out = np.zeros((n, t, h.shape[-1]), np.float32)
+    out[first:first + got] = h
+    bar.update(got)
+  bar.close()
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def _trunk_hidden(graphdef: nnx.GraphDef):
+  @jax.jit
+  def fn(params, tokens, positions, segment_ids):
+    out = nnx.merge(graphdef, params)(tokens, positions, segment_ids, num_draft_steps=0,
+                                      logits=False, frozen_layers=True)
+    return out["hidden"].astype(jnp.float32)
+  return fn
+
+
+def _features_name(split: str, rows: dict[str, np.ndarray]) -> str:
+  """A cache name for the trunk features of exactly these packed rows."""
+  digest = hashlib.sha256()
+  for k in ("tokens", "positions", "segment_ids"):
+    digest.update(np.ascontiguousarray(rows[k]).tobytes())
+  return f"{split}_{rows['tokens'].shape[1]}_{digest.hexdigest()[:12]}"
+
+
+def cached_features(store: drafter_store_lib.DrafterStore, split: str,
+                    rows: dict[str, np.ndarray], graphdef, params, batch_size: int,
+                    progress: bool = False, packed: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, str]:
+  """(the trunk features of `rows` from the store, memory-mapped; where they came from:
+  "stored", "decoding" or "forward") stored first when absent: `packed` (the features
+  decoding kept, `pack_hidden`) when given, else a trunk forward over the rows. Keyed by
+  the rows' contents: the policy is the store's."""
+  name = _features_name(split, rows)
+  if store.has_features(name):
+    return store.features(name), "stored"
+  source = "decoding" if packed is not None else "forward"
+  if packed is None:
+    packed = trunk_features(graphdef, params, rows, batch_size, progress)
+  store.write_features(name, packed)
+  return store.features(name), source
 
 
 class _Rows:
-  """A grain source over packed rows."""
+  """A grain source over packed rows (`features`: an [R, T, E] array, e.g. memory-mapped,
+  given as each row's "hidden")."""
 
-  def __init__(self, rows: dict[str, np.ndarray]):
+  def __init__(self, rows: dict[str, np.ndarray], features: np.ndarray | None = None):
     self.rows = rows
+    self.features = features
 
   def __len__(self):
     return len(self.rows["tokens"])
 
   def __getitem__(self, i):
-    return {k: v[i] for k, v in self.rows.items()}
+    item = {k: v[i] for k, v in self.rows.items()}
+    if self.features is not None:
+      item["hidden"] = np.asarray(self.features[i], np.float32)
+    return item
 
 
-def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int) -> grain.IterDataset:
-  """Endless shuffled batches of packed rows (checkpointable iterator)."""
+def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int,
+                  features: np.ndarray | None = None) -> grain.IterDataset:
+  """Endless shuffled batches of packed rows, with their trunk features when given
+  (checkpointable iterator)."""
   if not len(rows["tokens"]):
     raise ValueError("no self-distillation data; raise mtp.data.num_prompts")
-  return (grain.MapDataset.source(_Rows(rows)).shuffle(seed=seed).repeat()
+  return (grain.MapDataset.source(_Rows(rows, features)).shuffle(seed=seed).repeat()
           .batch(batch_size, drop_remainder=True).to_iter_dataset(pipeline.READ_OPTIONS))
 
 
@@ -220,7 +333,8 @@ def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int) -> gr
 def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float,
                               modes: Sequence[str], batch_size: int = 64,
                               buckets: Sequence[int] = batching.PROMPT_BUCKETS,
-                              pack_length: int | None = None
+                              pack_length: int | None = None,
+                              draft_vocab: Sequence[int] | None = None
                               ) -> dict[str, dict[str, list[float]]]:
   """Per mode: per-depth acceptance over the policy tokens of held-out rollouts, plain
   ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha"), and
@@ -240,7 +354,8 @@ def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float
   for seq, gen, seg, pos in diagnostics.packed_batches(sequences, bins, batch_size, length):
     out = jax.device_get(diagnostics.teacher_forced_acceptance_by_mode(
         graphdef, params, jnp.asarray(seq), jnp.asarray(gen), jnp.asarray(seg),
-        jnp.asarray(pos), params=params_s, modes=tuple(modes)))
+        jnp.asarray(pos), None if draft_vocab is None else jnp.asarray(draft_vocab),
+        params=params_s, modes=tuple(modes)))
     # Combine batches by their position counts (exact for the plain mean; the weighted
     # one is combined by positions too, a close approximation across batches).
     for mode in modes:
@@ -254,16 +369,19 @@ def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float
 
 
 def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examples,
-                      task_objs, *, modes: Sequence[str]) -> dict[str, Any]:
+                      task_objs, *, modes: Sequence[str],
+                      draft_vocab: Sequence[int] | None = None) -> dict[str, Any]:
   """Speculative decoding on held-out prompts at mtp.temperature, per mode: per-depth
-  acceptance, tokens per target forward (Rollouts.tokens_per_target_forward: the policy
-  tokens verifications emitted per verification), pass@1, overall and per task, and
-  seconds."""
+  acceptance (accepted / attempted drafts, each depth's drafts counted when verified, with
+  binomial 95% intervals), tokens per target forward (Rollouts.tokens_per_target_forward:
+  the policy tokens verifications emitted per verification), pass@1, overall and per task,
+  and seconds. `draft_vocab`: the drafter's reduced vocabulary (None: the whole head)."""
   results = {}
   for mode in modes:
     start = time.perf_counter()
     engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
-        config, temperature=config.mtp.temperature, top_k=0, top_p=1.0, mode=mode))
+        config, temperature=config.mtp.temperature, top_k=0, top_p=1.0, mode=mode,
+        draft_vocab=None if draft_vocab is None else tuple(int(i) for i in draft_vocab)))
     by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed)
     accuracy = evaluation.pass_at_1(by_task)
     per_task = {n: {**_acceptance(r), "accuracy": accuracy[n]} for n, r in by_task.items()}
@@ -274,19 +392,90 @@ def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examp
 
 
 def _acceptance(r: rollout.Rollouts) -> dict[str, Any]:
+  attempted, accepted = r.attempted.sum(0), r.accepted.sum(0)
   return {"acceptance": r.acceptance().tolist(),
+          "attempted": attempted.tolist(), "accepted": accepted.tolist(),
+          "interval": [list(diagnostics.binomial_interval(int(a), int(n)))
+                       for a, n in zip(accepted, attempted)],
           "tokens_per_target_forward": r.tokens_per_target_forward()}
 
 
-def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task_objs
+def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task_objs, *,
+                     online: bool = True, draft_vocab: Sequence[int] | None = None
                      ) -> dict[str, Any]:
+  """Teacher-forced acceptance on the held-out rollouts and (`online`) speculative decoding
+  on the held-out prompts (`online_evaluation`), in every mtp.eval_modes."""
   modes = tuple(config.mtp.eval_modes)
-  return {"teacher_forced": teacher_forced_acceptance(
-              graphdef, params, heldout_sequences, temperature=config.mtp.temperature,
-              modes=modes, batch_size=config.eval.batch_size,
-              buckets=tuple(config.eval.prompt_buckets)),
-          "online": online_evaluation(config, graphdef, params, examples, task_objs,
-                                      modes=modes)}
+  result = {"teacher_forced": teacher_forced_acceptance(
+      graphdef, params, heldout_sequences, temperature=config.mtp.temperature,
+      modes=modes, batch_size=config.eval.batch_size,
+      buckets=tuple(config.eval.prompt_buckets), draft_vocab=draft_vocab)}
+  if online:
+    result["online"] = online_evaluation(config, graphdef, params, examples, task_objs,
+                                         modes=modes, draft_vocab=draft_vocab)
+  return result
+
+
+def acceptance_sums(out: dict[str, jax.Array], batch: dict[str, jax.Array], *,
+                    temperature: float, draft_vocab: jax.Array | None = None
+                    ) -> dict[str, jax.Array]:
+  """Per depth [K], sums over a batch of the drafter's rejection-sampling acceptance
+  alpha_k(i) = 1 - TV(p_{i+k}, q_i^k) at the start positions i it is drafted from online
+  (x_{i+1} and x_{i+k+1} sampled by the policy): "alpha" (sum of alpha), "weight" (count),
+  "reach_alpha" and "reach" (the same weighted by prod_{j<k} alpha_j(i), the probability
+  of reaching depth k). From the forward's fused form with the batch's loss rows, as the
+  training step computes it (`make_loss_fn`); `heldout_acceptance` divides them."""
+  terms = mtp_losses.mtp_terms(out, batch["tokens"], batch["loss_mask"],
+                               temperature=temperature, rows=batch.get("rows"),
+                               draft_vocab=draft_vocab)
+  alpha = 1.0 - terms["tv"]
+  frontier = policy_lib.shift_left(batch["loss_mask"], 1) > 0
+  mask = (terms["mask"] & frontier[None]).astype(jnp.float32)
+  reach = jnp.concatenate([jnp.ones_like(alpha[:1]), jnp.cumprod(alpha, axis=0)[:-1]])
+  total = lambda x: jnp.sum(x, axis=(1, 2))
+  return {"alpha": total(mask * alpha), "weight": total(mask),
+          "reach_alpha": total(mask * reach * alpha), "reach": total(mask * reach)}
+
+
+def heldout_acceptance(graphdef: nnx.GraphDef, rows: dict[str, np.ndarray],
+                       features: np.ndarray | None, *, batch_size: int, temperature: float,
+                       draft_vocab: np.ndarray | None = None):
+  """fn(params) -> {"alpha_k": reach-weighted, "alpha_unweighted_k", "draft_events_k"} of
+  the held-out packed `rows` (with their trunk features, or the trunk run in the forward):
+  the teacher-forced acceptance a training run tracks (`acceptance_sums`), one compiled
+  forward per batch of `batch_size` rows."""
+  @jax.jit
+  def sums(params, batch):
+    out = nnx.merge(graphdef, params)(
+        batch["tokens"], batch["positions"], batch["segment_ids"], logits=False,
+        frozen_layers=True, hidden=batch.get("hidden"))
+    return acceptance_sums(out, batch, temperature=temperature, draft_vocab=vocab)
+
+  vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+
+  n = len(rows["tokens"])
+  batches = []
+  for first in range(0, n, batch_size):
+    idx = np.arange(first, first + batch_size)
+    batch = {k: v[np.minimum(idx, n - 1)] for k, v in rows.items()}
+    batch["loss_mask"] = np.where((idx < n)[:, None], batch["loss_mask"], 0)  # padding rows
+    if features is not None:
+      batch["hidden"] = np.asarray(features[np.minimum(idx, n - 1)], np.float32)
+    batches.append(batch)
+
+  def fn(params) -> dict[str, float]:
+    total = None
+    for batch in batches:
+      got = jax.device_get(sums(params, batch))
+      total = got if total is None else {k: total[k] + got[k] for k in total}
+    out = {}
+    for k in range(len(total["weight"])):
+      out[f"alpha_{k + 1}"] = float(total["reach_alpha"][k] / max(total["reach"][k], 1e-9))
+      out[f"alpha_unweighted_{k + 1}"] = float(total["alpha"][k] / max(total["weight"][k], 1))
+      out[f"draft_events_{k + 1}"] = float(total["weight"][k])
+    return out
+
+  return fn
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -311,29 +500,31 @@ def load_workdir_policy(config: ml_collections.ConfigDict, workdir: str | None, 
           "random_init")
 
 
-def _reinit_mtp(config, model_cfg: ModelConfig, params: nnx.State) -> nnx.State:
-  """`params` with the MTP modules freshly initialised (the drafter learned from scratch)."""
-  fresh = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(
-      config.seed + 1 + 7919 * config.mtp.seed)))
-  mtp_filter = nnx.All(nnx.Param, nnx.PathContains("mtp"))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  keep = params.filter(nnx.Not(mtp_filter))
-  return nnx.merge_state(keep, jax.device_put(fresh.filter(mtp_filter), device))
-
-
-def make_loss_fn(config: ml_collections.ConfigDict):
-  """The MTP stage's loss_fn(model, batch) -> (loss, metrics) (the trunk detached)."""
+def make_loss_fn(config: ml_collections.ConfigDict, loss: str | None = None,
+                 draft_vocab: np.ndarray | None = None):
+  """The MTP stage's loss_fn(model, batch) -> (loss, metrics) with `loss` (default
+  mtp.loss), the trunk detached. A batch with "hidden" (trunk features) skips the trunk; one
+  with "rows" runs the fused head at those rows only (losses.mtp.loss_rows), restricted to
+  `draft_vocab` when given (the drafter's reduced vocabulary)."""
   m = config.mtp
+  loss = loss or m.loss
   depth_weights = tuple(m.depth_weights) or None
   impl = None if m.tv_implementation == "auto" else m.tv_implementation
+  fused = m.head == "fused"
+  vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+  if vocab is not None and not fused:
+    raise ValueError("mtp.draft_vocab > 0 trains the drafter on its vocabulary at the loss "
+                     "rows: it needs mtp.head='fused'")
 
   def loss_fn(model, batch):
     out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                mtp_stop_gradient=True, logits=m.head == "dense", frozen_layers=True)
-    return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=m.loss,
+                mtp_stop_gradient=True, logits=not fused, frozen_layers=True,
+                hidden=batch.get("hidden"))
+    return mtp_losses.mtp_loss(out, batch["tokens"], batch["loss_mask"], loss=loss,
                                depth_weights=depth_weights, tv_implementation=impl,
-                               tv_interpret=m.tv_interpret,
-                               temperature=m.temperature)
+                               tv_interpret=m.tv_interpret, temperature=m.temperature,
+                               rows=batch.get("rows") if fused else None,
+                               draft_vocab=vocab if fused else None)
 
   return loss_fn
 
@@ -344,6 +535,7 @@ def split(model, config):
 
 
 DRAFT_COUNTS = "draft_token_counts.npy"
+DRAFT_VOCAB = "draft_vocab.npy"  # the reduced vocabulary the drafter drafts from
 
 
 def _write_draft_counts(workdir: str, counts: np.ndarray) -> None:
@@ -378,6 +570,26 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str, size: int,
   return ids, draft_vocab_lib.coverage(counts, ids)
 
 
+def _stored_vocabulary_path(workdir: str) -> str:
+  return os.path.join(stage_dir(workdir), DRAFT_VOCAB)
+
+
+def stored_draft_vocabulary(workdir: str) -> np.ndarray | None:
+  """The reduced draft vocabulary stored with the MTP stage's drafter in `workdir` (sorted
+  int32 token ids), or None (the drafter drafts from the whole head)."""
+  path = _stored_vocabulary_path(workdir)
+  return np.load(path) if os.path.exists(path) else None
+
+
+def _phases(config) -> list[tuple[str, int]]:
+  """[(loss, last step)] of the stage's schedule: the warm start's loss for its steps, then
+  mtp.loss to mtp.train.num_steps."""
+  m = config.mtp
+  n = m.train.num_steps
+  warm = min(m.warm_start.steps, n)
+  return ([(m.warm_start.loss, warm)] if warm > 0 else []) + ([(m.loss, n)] if warm < n else [])
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) the MTP stage; returns its summary."""
   done = read_summary(workdir)
@@ -399,29 +611,81 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   model_cfg = ModelConfig.from_dict(config.model.to_dict())
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   rules = tuple(tuple(r) for r in config.mesh.rules)
+  seq_len = m.seq_len or config.data.seq_len
 
+  # The drafter dataset: the policy's rollouts, sampled once into the store.
   graphdef0, sft_params = checkpoint_lib.restore_policy(config, source, stage="sft")
-  data_dir = os.path.join(source, "mtp_data")
+  store = drafter_store(config, workdir)
   t0 = time.perf_counter()
-  train_data = self_distillation_data(config, graphdef0, sft_params, data_dir, "train",
-                                      _per_task(config, m.data.num_prompts))
-  per_task_eval = {n: config.eval.num_examples for n in _per_task(config, 1)}
-  heldout = self_distillation_data(config, graphdef0, sft_params, data_dir, "test",
-                                   per_task_eval)
+  train_data = drafter_dataset(config, graphdef0, sft_params, store, "train",
+                               _per_task(config, m.data.num_prompts))
+  heldout = drafter_dataset(config, graphdef0, sft_params, store, "test",
+                            heldout_tasks(config))
   timing["rollouts_s"] = time.perf_counter() - t0
-  # The drafter's token counts (the policy tokens of its training rollouts), stored with it:
-  # a reduced draft vocabulary is chosen from them (draft_vocabulary).
-  _write_draft_counts(workdir, draft_vocab_lib.count_tokens(
-      [t for t, _ in train_data["sequences"]], [mk for _, mk in train_data["sequences"]],
-      model_cfg.vocab_size))
-  rows = pack_rows(train_data["sequences"], config.data.seq_len)
-  print(f"[mtp] self-distillation data: {len(train_data['sequences'])} rollouts "
+  # The drafter's token counts (the policy tokens of its training rollouts), stored with it,
+  # and the reduced draft vocabulary chosen from them (mtp.draft_vocab > 0).
+  counts = draft_vocab_lib.count_tokens([t for t, _ in train_data["sequences"]],
+                                        [mk for _, mk in train_data["sequences"]],
+                                        model_cfg.vocab_size)
+  _write_draft_counts(workdir, counts)
+  vocab, vocab_info = None, {"size": 0}
+  if m.draft_vocab:
+    tok = get_tokenizer()
+    vocab = draft_vocab_lib.top_tokens(counts, m.draft_vocab, (tok.eos_id, tok.call_end_id))
+    np.save(_stored_vocabulary_path(workdir), vocab)
+    heldout_counts = draft_vocab_lib.count_tokens(
+        [t for t, _ in heldout["sequences"]], [mk for _, mk in heldout["sequences"]],
+        model_cfg.vocab_size)
+    vocab_info = {"size": int(m.draft_vocab),
+                  "coverage_train": draft_vocab_lib.coverage(counts, vocab),
+                  "coverage_heldout": draft_vocab_lib.coverage(heldout_counts, vocab)}
+    print(f"[mtp] draft vocabulary: {m.draft_vocab} tokens, covering "
+          f"{vocab_info['coverage_train']:.2%} of the training rollouts' policy tokens and "
+          f"{vocab_info['coverage_heldout']:.2%} of the held-out ones")
+  fused = m.head == "fused"
+  max_targets = None
+  if fused:  # the head runs at the loss rows only: at most this many per packed row
+    max_targets = -(-max(int(np.sum(mk[1:seq_len] > 0)) for _, mk in
+                         train_data["sequences"] + heldout["sequences"]) // 8) * 8
+  rows = pack_rows(train_data["sequences"], seq_len, max_targets)
+  heldout_rows = pack_rows(heldout["sequences"], seq_len, max_targets)
+  features = heldout_features = None
+  if m.features == "cached":
+    t0 = time.perf_counter()
+    packed = lambda data: (None if data.get("hidden") is None else pack_hidden(
+        data["hidden"], data["sequences"], seq_len, max_targets))
+    features, source = cached_features(store, "train", rows, graphdef0, sft_params,
+                                       m.features_batch_size, m.train.progress,
+                                       packed(train_data))
+    heldout_features, _ = cached_features(store, "test", heldout_rows, graphdef0, sft_params,
+                                          m.features_batch_size, m.train.progress,
+                                          packed(heldout))
+    timing["features_s"] = time.perf_counter() - t0
+    timing["features_from"] = source
+  targets = int(rows["loss_mask"].sum())
+  print(f"[mtp] drafter dataset: {len(train_data['sequences'])} rollouts "
         f"({train_data['policy_tokens']} policy tokens, rewards {train_data['reward']}"
-        f"{', cached' if train_data['cached'] else ''}) in {len(rows['tokens'])} rows of "
-        f"{config.data.seq_len}")
+        f"{', stored' if train_data['cached'] else ''}) in {len(rows['tokens'])} rows of "
+        f"{seq_len} ({targets / rows['tokens'].size:.1%} of positions are targets"
+        f"{f', the head runs at {max_targets} per row' if fused else ''}; trunk features "
+        f"{m.features})")
 
-  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task_eval}
-  examples = {n: pipeline.eval_examples(config.data, n, k) for n, k in per_task_eval.items()}
+  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs)
+               for n in heldout_tasks(config)}
+  examples = {n: pipeline.eval_examples(config.data, n, k)
+              for n, k in heldout_tasks(config).items()}
+  hidden_rms = 1.0
+  if features is not None:
+    hidden_rms = float(np.sqrt(np.mean(np.square(features[:8][rows["segment_ids"][:8] > 0]))))
+  params = drafter_init.init_drafter(sft_params, model_cfg, m.init, seed=config.seed + 1 + 7919 * m.seed,
+                        proj_init=m.proj_init, hidden_rms=hidden_rms)
+  model = nnx.merge(graphdef0, params)
+  graphdef, trainable, frozen = split(model, config)
+  track = heldout_acceptance(graphdef, heldout_rows, heldout_features,
+                             batch_size=m.batch_size, temperature=m.temperature,
+                             draft_vocab=vocab) if fused else None
+  eval_fn = (lambda st: track(nnx.merge_state(st.trainable, st.frozen))) if track else None
+
   before_path = os.path.join(stage_dir(workdir), "before.json")
   before = None
   if m.eval_before:
@@ -430,58 +694,77 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         before = json.load(f)
     else:
       t0 = time.perf_counter()
-      before = evaluate_drafter(config, graphdef0, sft_params, heldout["sequences"], examples,
-                                task_objs)
+      before = evaluate_drafter(config, graphdef0, params, heldout["sequences"], examples,
+                                task_objs, online=m.eval_before_online, draft_vocab=vocab)
       timing["eval_before_s"] = time.perf_counter() - t0
       metrics_lib.write_json_atomic(before_path, before)
-    print(f"[mtp] SFT drafter: {_describe(before)}")
+    print(f"[mtp] initial drafter ({m.init}): {_describe(before)}")
 
-  if m.reinit:
-    sft_params = _reinit_mtp(config, model_cfg, sft_params)
-  model = nnx.merge(graphdef0, sft_params)
-  graphdef, trainable, frozen = split(model, config)
   num_steps = m.train.num_steps
   tx, schedule = optimizer_lib.make_optimizer(m.optim, num_steps)
   state = trainer.place_state(
       trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
-  dataset = train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed)
+  dataset = train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed, features)
   data_iter = iter(dataset)
   checkpointer = checkpoint_lib.Checkpointer(
       checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=m.train.keep_checkpoints)
   state, latest = trainer.resume(checkpointer, state, data_iter)
   if latest is not None:
     print(f"[mtp] resumed from step {latest}")
-  step_fn = trainer.make_train_step(graphdef, make_loss_fn(config), tx, schedule,
-                                    m.train.grad_accum_steps)
   example_batch = next(iter(dataset))
-  compiled = trainer.compile_train_step(step_fn, state, example_batch, mesh, rules, tx)
-  print(f"[mtp] train step ({m.loss}) compiled in {compiled.compile_seconds:.1f}s")
+  batch_sh = trainer.batch_shardings(example_batch, mesh, rules)
+  flops = flops_lib.train_flops_per_step(
+      model_cfg, m.batch_size, seq_len, model_cfg.num_draft_steps, trainable_main=False)
+  if eval_fn is not None and m.train.eval_every and int(state.step) == 0:
+    writer = metrics_lib.MetricsWriter(workdir, STAGE)  # the curve's first point
+    writer.write(0, {f"eval/{k}": v for k, v in eval_fn(state).items()})
+    writer.close()
   t0 = time.perf_counter()
-  with sharding.use_mesh(mesh, rules):
-    state, summary = trainer.train_loop(
-        stage=STAGE, workdir=workdir, state=state, compiled=compiled, batches=data_iter,
-        loop=trainer.LoopConfig(num_steps=num_steps, log_every=m.train.log_every,
-                                eval_every=0, checkpoint_every=m.train.checkpoint_every,
-                                progress=m.train.progress, stop_at_step=m.train.stop_at_step),
-        checkpointer=checkpointer, data_iterator=data_iter,
-        batch_sh=trainer.batch_shardings(example_batch, mesh, rules),
-        flops_per_step=flops_lib.train_flops_per_step(
-            model_cfg, m.batch_size, config.data.seq_len, model_cfg.num_draft_steps,
-            trainable_main=False))
+  summary = None
+  for loss, last in _phases(config):
+    if int(state.step) >= last:
+      continue
+    step_fn = trainer.make_train_step(graphdef, make_loss_fn(config, loss, vocab), tx,
+                                      schedule, m.train.grad_accum_steps)
+    compiled = trainer.compile_train_step(step_fn, state, example_batch, mesh, rules, tx)
+    print(f"[mtp] train step ({loss}, to step {last}) compiled in "
+          f"{compiled.compile_seconds:.1f}s")
+    stop = min(last, m.train.stop_at_step) if m.train.stop_at_step else last
+    with sharding.use_mesh(mesh, rules):
+      state, summary = trainer.train_loop(
+          stage=STAGE, workdir=workdir, state=state, compiled=compiled, batches=data_iter,
+          loop=trainer.LoopConfig(num_steps=num_steps, log_every=m.train.log_every,
+                                  eval_every=m.train.eval_every,
+                                  checkpoint_every=m.train.checkpoint_every,
+                                  progress=m.train.progress,
+                                  stop_at_step=stop if stop < num_steps else 0),
+          checkpointer=checkpointer, data_iterator=data_iter, batch_sh=batch_sh,
+          eval_fn=eval_fn if m.train.eval_every else None, flops_per_step=flops)
+    if int(state.step) < last:  # stopped early (mtp.train.stop_at_step)
+      break
   checkpointer.close()
   timing["train_s"] = time.perf_counter() - t0
+  if summary is None:  # every phase had run: the checkpoint is final, evaluate it
+    summary = {"steps": int(state.step), "complete": int(state.step) >= num_steps}
   if not summary["complete"]:
     print(f"[mtp] stopped at step {summary['steps']} of {num_steps}; rerun to resume")
     return summary
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = jax.device_put(nnx.merge_state(state.trainable, state.frozen), device)
   t0 = time.perf_counter()
-  after = evaluate_drafter(config, graphdef, params, heldout["sequences"], examples, task_objs)
+  after = evaluate_drafter(config, graphdef, params, heldout["sequences"], examples, task_objs,
+                           online=m.eval_online, draft_vocab=vocab)
+  if track is not None:
+    after["heldout"] = track(params)
   timing["eval_s"] = time.perf_counter() - t0
   timing["total_s"] = time.perf_counter() - stage_start
-  summary.update(loss=m.loss, before=before, after=after, timing=timing,
-                 num_rollouts=len(train_data["sequences"]),
-                 policy_tokens=train_data["policy_tokens"], rollout_reward=train_data["reward"])
+  summary.update(loss=m.loss, schedule=[list(p) for p in _phases(config)], init=m.init,
+                 before=before, after=after, timing=timing, draft_vocab=vocab_info,
+                 num_rollouts=len(train_data["sequences"]), rows=len(rows["tokens"]),
+                 seq_len=seq_len, targets_per_row=max_targets,
+                 policy_tokens=train_data["policy_tokens"],
+                 rollout_reward=train_data["reward"],
+                 rollout_seconds=train_data["seconds"])
   metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
   print(f"[mtp] done ({m.loss}): {_describe(after)}")
   return summary
@@ -489,9 +772,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 def _describe(ev: dict[str, Any]) -> str:
   parts = []
-  for mode, r in ev["online"].items():
-    tf = ev["teacher_forced"][mode]["alpha"]
-    parts.append(f"{mode}: online {'/'.join(f'{a:.3f}' for a in r['acceptance'])} "
-                 f"(teacher-forced {'/'.join(f'{a:.3f}' for a in tf)}), "
-                 f"{r['tokens_per_target_forward']:.2f} tokens/forward")
+  fmt = lambda xs: "/".join(f"{a:.3f}" for a in xs)
+  for mode, tf in ev["teacher_forced"].items():
+    text = f"{mode}: teacher-forced {fmt(tf['alpha'])} (reach-weighted)"
+    r = ev.get("online", {}).get(mode)
+    if r is not None:
+      text += (f", online {fmt(r['acceptance'])} over {'/'.join(map(str, r['attempted']))} "
+               f"drafts, {r['tokens_per_target_forward']:.2f} tokens/forward")
+    parts.append(text)
   return "; ".join(parts)
