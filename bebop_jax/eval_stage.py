@@ -199,6 +199,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
               "acceptance_teacher_forced": after["teacher_forced"][main_mode]["alpha"],
               "acceptance_teacher_forced_by_mode": mtp_figures["acceptance_teacher_forced"],
               "steps": mtp_summary["steps"],
+              "schedule": mtp_summary.get("schedule"),
+              "draft_vocab": mtp_summary.get("draft_vocab"),
+              # per depth: drafts verified and accepted, the rate, its Wilson 95% interval
+              "online": {mode: {k: v for k, v in ev.items() if k != "per_task"}
+                         for mode, ev in after.get("online", {}).items()},
+              "teacher_forced": after["teacher_forced"],
               "before": _compact(mtp_summary.get("before"), modes),
               **throughput(mtp_summary)},
       "decode": {

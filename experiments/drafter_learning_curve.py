@@ -19,6 +19,7 @@ acceptance per depth with its draft events) and <out>.png. Runs that completed a
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -45,12 +46,26 @@ _WARM = flags.DEFINE_integer("warm_steps", None, "Warm-start steps (default the 
 _STEPS = flags.DEFINE_integer("steps", None, "Steps of each objective after the warm start "
                               "(default the config's mtp.train.num_steps minus the warm "
                               "steps).")
+_OVERRIDES = flags.DEFINE_multi_string("set", [], "key=value config overrides (a Python "
+                                       "literal or a string), e.g. --set mtp.init=fresh.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 40, "Held-out acceptance every this many "
                                    "steps.")
 
 
+def _load():
+  overrides = {}
+  for item in _OVERRIDES.value:
+    key, _, text = item.partition("=")
+    try:
+      overrides[key] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      overrides[key] = text
+  return config_lib.apply_overrides(config_lib.load_file(_CONFIG.value, _ARG.value),
+                                    overrides)
+
+
 def _config(loss: str, warm: int, total: int, **train):
-  c = config_lib.load_file(_CONFIG.value, _ARG.value)
+  c = _load()
   c.stages = ("mtp",)
   if _INIT_FROM.value:
     c.mtp.init_from = _INIT_FROM.value
@@ -81,7 +96,7 @@ def _points(run: str, workdir: str, tokens_per_step: float) -> list[dict]:
 
 def main(argv):
   del argv
-  base = config_lib.load_file(_CONFIG.value, _ARG.value)
+  base = _load()
   warm = base.mtp.warm_start.steps if _WARM.value is None else _WARM.value
   steps = (base.mtp.train.num_steps - warm) if _STEPS.value is None else _STEPS.value
   total = warm + steps
@@ -114,7 +129,8 @@ def main(argv):
                   "final": s["after"].get("heldout")}
   out = _OUT.value or os.path.join(_WORKDIR.value, "curve")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  result = {"config": _CONFIG.value, "init_from": _INIT_FROM.value, "warm_steps": warm,
+  result = {"config": _CONFIG.value, "overrides": _OVERRIDES.value,
+            "init_from": _INIT_FROM.value, "warm_steps": warm,
             "steps": steps, "batch_size": base.mtp.batch_size,
             "learning_rate": base.mtp.optim.learning_rate,
             "measure": "held-out teacher-forced rejection-sampling acceptance per depth, "

@@ -126,11 +126,11 @@ def main(argv):
         if _INIT_FROM.value:
           config.mtp.init_from = _INIT_FROM.value
         if start != "config":
-          config.mtp.reinit = start == "scratch"
+          config.mtp.init = "fresh" if start == "scratch" else "sft"
         config.mtp.seed = seed
         # The SFT drafter is the same for every warm run: evaluate it once.
         config.mtp.eval_before = config.mtp.eval_before and not before_done and \
-            not config.mtp.reinit
+            config.mtp.init == "sft"
         config.stages = ("mtp",)
         config = config_lib.validate(config)
         name = config.mtp.loss
@@ -141,7 +141,7 @@ def main(argv):
         stages.run(config, workdir)
         s = mtp.read_summary(workdir)
         evals = [(name, s["after"])]
-        if s.get("before") and not before_done and not config.mtp.reinit:
+        if s.get("before") and not before_done and config.mtp.init == "sft":
           evals.append(("sft (joint ce)", s["before"]))  # the same for every seed
           before_done = True
         for drafter, ev in evals:

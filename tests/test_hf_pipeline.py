@@ -6,7 +6,6 @@ config.json, compiled ahead of time on a simulated mesh.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -23,6 +22,7 @@ from bebop_jax.model import config as model_config
 from bebop_jax.model import hf
 from bebop_jax.model import model as policy_lib
 from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import mtp as mtp_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import sft as sft_lib
 from bebop_jax.train import trainer
@@ -71,11 +71,10 @@ def test_the_pipeline_runs_from_a_checkpoint_on_its_vocabulary(tmp_path, capsys)
 
   # The rollouts the MTP stage trained on are in the checkpoint's vocabulary: merged BPE
   # pieces (ids past the character tokenizer's 104), prompts that decode to task text.
-  (path,) = glob.glob(os.path.join(workdir, "mtp_data", "train_*.npz"))
-  with np.load(path) as f:
-    tokens, lengths = f["tokens"], f["lengths"]
+  records = mtp_lib.drafter_store(config, workdir).read_split("train")
+  tokens = np.concatenate([r["tokens"] for r in records])
   assert tokens.max() < tok.vocab_size and (tokens >= 128).any()
-  texts = [tok.decode(row[:n]) for row, n in zip(tokens, lengths)]
+  texts = [tok.decode(r["tokens"]) for r in records]
   assert all(t.startswith("<|bos|>") for t in texts)
   assert any(t.count("<|") >= 2 for t in texts)  # a marker inside the text, one token
 
@@ -98,9 +97,8 @@ def test_a_drafter_trains_for_a_pretrained_chat_model_alone(tmp_path, capsys):
   assert os.path.exists(os.path.join(workdir, "mtp", "summary.json"))
   assert not os.path.exists(os.path.join(workdir, "sft"))
   tok = tokenizer_lib.load_tokenizer(ckpt, chat_format=True)
-  (path,) = glob.glob(os.path.join(workdir, "mtp_data", "train_*.npz"))
-  with np.load(path) as f:
-    texts = [tok.decode(row[:n]) for row, n in zip(f["tokens"], f["lengths"])]
+  records = mtp_lib.drafter_store(config, workdir).read_split("train")
+  texts = [tok.decode(r["tokens"]) for r in records]
   head = f"<|im_start|>system\n{tokenizer_lib.CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n"
   assert texts and all(t.startswith(head) for t in texts)
   assert all("<|im_start|>assistant\n" in t for t in texts)

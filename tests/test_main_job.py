@@ -326,3 +326,31 @@ def test_the_run_ends_with_a_short_summary_table(tmp_path):
   assert "0.90 / 0.80 / 0.70 before RL -> 0.88 / 0.75 / 0.62 per depth (teacher-forced, " \
       "rejection)" in text
   assert "rejection 3.50 before RL -> 3.25" in text
+
+
+def test_the_drafter_learning_curve(job, tmp_path, one_device_env):
+  """experiments/drafter_learning_curve.py: the warm phase runs once and each warm run
+  resumes from its checkpoint with its objective (the same first point as the warm phase),
+  the cold run trains the objective from the start; the json has a point per evaluation."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  data_dir, sft_workdir, _ = job
+  out = str(tmp_path / "curve")
+  subprocess.run([sys.executable, "experiments/drafter_learning_curve.py",
+                  "--config=configs/quickstart_tiny.py", f"--set=data.data_dir={data_dir}",
+                  "--set=mtp.optim.warmup_steps=0",  # the first step moves the drafter
+                  f"--init_from={sft_workdir}", f"--workdir={tmp_path / 'runs'}",
+                  f"--out={out}", "--losses=tv", "--warm_steps=1", "--steps=1",
+                  "--eval_every=1"], cwd=REPO, env=one_device_env, check=True,
+                 capture_output=True)
+  result = json.load(open(out + ".json"))
+  assert os.path.exists(out + ".png")
+  assert result["runs"]["warm/tv"]["schedule"] == [["kl", 1], ["tv", 2]]
+  assert result["runs"]["cold/tv"]["schedule"] == [["tv", 2]]
+  points = {(p["run"], p["step"]): p for p in result["points"]}
+  assert set(points) == {(r, s) for r in ("cold/tv", "warm/tv") for s in (0, 1, 2)}
+  assert points["cold/tv", 0]["alpha"] == points["warm/tv", 0]["alpha"]  # the same drafter
+  assert points["warm/tv", 1]["alpha"] != points["cold/tv", 1]["alpha"]  # kl against tv
+  for p in result["points"]:
+    assert p["tokens"] == p["step"] * result["runs"][p["run"]]["tokens_per_step"]
+    assert all(n > 0 for n in p["draft_events"])

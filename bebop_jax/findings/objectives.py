@@ -205,7 +205,7 @@ def scratch_table(comp: dict) -> str:
     diff = ("(reference)" if loss == "ce" else
             f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
     lines.append(f"| {loss} | {cell} | {diff} | {comp['acceptance_mean'][loss]:.3f} |")
-  return (f"From scratch (`mtp.init = "fresh"`: a fresh drafter trained by each objective at the same "
+  return (f"From scratch (`mtp.init = 'fresh'`: a fresh drafter trained by each objective at the same "
           f"budget, {n} seeds, {comp['mode']}, all tasks, paired by seed):\n\n" +
           "\n".join(lines))
 

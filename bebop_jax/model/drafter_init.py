@@ -24,13 +24,11 @@ def init_drafter(params: nnx.State, model_cfg: ModelConfig, how: str, *, seed: i
     fresh            a fresh random initialisation;
     copy_last_block  each module's block a copy of the trunk's last layer, input norms 1,
                      the 2E -> E projection by `proj_init`: "random" (normal, std (2E)^-1/2)
-                     or "identity": u = hidden_rms * RMSNorm(h) + RMSNorm(Emb(x)) / 2 ... see
-                     below.
-  With "identity" the projection passes the normalised hidden state through scaled to
-  `hidden_rms` (the trunk's residual stream's RMS, which the copied block was trained on)
-  and adds the normalised next-token embedding at the same scale: u_i = hidden_rms *
-  (RMSNorm(h_i) + RMSNorm(Emb(x_{i+1}))), so the copied block starts on an input of the
-  size it knows, holding both what the trunk knew at i and the token it emitted."""
+                     or "identity" (below).
+  "identity" passes both normalised inputs through at the scale of the trunk's residual
+  stream, which the copied block was trained on: u_i = hidden_rms * (RMSNorm(h_i) +
+  RMSNorm(Emb(x_{i+1}))), `hidden_rms` the RMS of the trunk's h0 on the data. On SmolLM2 it
+  did not help (docs/mtp.md#the-drafter-recipe)."""
   if how not in INITS:
     raise ValueError(f"mtp.init={how!r} is not allowed: one of {INITS}")
   if proj_init not in PROJ_INITS:

@@ -2,14 +2,18 @@
 
 1. Load the SFT policy (from `mtp.init_from`, default this workdir) and freeze everything
    but the MTP modules (`mtp.optim.trainable`, "mtp" by default).
-2. Self-distillation data: sample the policy at `mtp.temperature` on training prompts of every
-   task (the agentic ones with the environment in the loop), with speculative decoding, which
-   samples exactly the policy's distribution. Prompt, policy turns and tool replies form one
-   sequence; the loss targets are the policy's tokens. Sequences are packed into rows of
-   data.seq_len. The rollouts are cached under the SFT workdir (mtp_data/), keyed by the
-   settings, so every loss of a sweep trains on the same data.
-3. Train with `mtp.loss` (ce, kl, tv, e2e_tv; bebop_jax.losses.mtp), the trunk's forward
-   under stop-gradient.
+2. Self-distillation data (the drafter dataset): sample the policy at `mtp.temperature` on
+   training prompts of every task (the agentic ones with the environment in the loop), once,
+   with the engine of `mtp.data.engine` (autoregressive by default, which keeps the trunk's
+   hidden state at every position). Prompt, policy turns and tool replies form one sequence;
+   the loss targets are the policy's tokens. The records are stored by split under the SFT
+   workdir (drafter_data/<key>, array_record read through grain, keyed by the settings), so
+   every loss and seed of a sweep trains on the same data. Sequences are packed into rows
+   of `mtp.seq_len` with a cap on loss targets per row.
+3. Train with `mtp.loss` (ce, kl, tv, e2e_tv; bebop_jax.losses.mtp), after a warm start of
+   `mtp.warm_start.steps` with `mtp.warm_start.loss` if set; the trunk frozen (its features
+   from `mtp.features`), the draft heads only at the loss rows and over the drafter's
+   reduced vocabulary (`mtp.draft_vocab`).
 4. Evaluate on held-out prompts: teacher-forced per-depth acceptance on held-out rollouts
    (plain mean over positions and weighted by the probability of reaching the depth, as
    online decoding visits them), and online speculative decoding at `mtp.temperature` in every
@@ -550,22 +554,12 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str, size: int,
   """(ids [size] int32 sorted, coverage): the reduced draft vocabulary of the workdir's
   drafter, its `size` most frequent policy tokens (decoding/draft_vocab.py) plus `always`
   (the stop tokens), and the share of the drafter's training tokens it covers. The counts
-  are those the MTP stage stored with the drafter; a drafter trained before they were
-  stored gets them from its cached training rollouts (mtp_data)."""
+  are those the MTP stage stored with the drafter."""
   path = os.path.join(stage_dir(workdir), DRAFT_COUNTS)
-  if os.path.exists(path):
-    counts = np.load(path)
-  else:
-    data_dir = os.path.join(sft_workdir(config, workdir), "mtp_data")
-    cached = sorted(f for f in os.listdir(data_dir) if f.startswith("train_")) \
-        if os.path.isdir(data_dir) else []
-    if not cached:
-      raise FileNotFoundError(f"no draft token counts in {stage_dir(workdir)} and no cached "
-                              f"MTP training rollouts in {data_dir}: run the MTP stage")
-    with np.load(os.path.join(data_dir, cached[-1])) as f:
-      seqs = [(f["tokens"][i, :n], f["loss_mask"][i, :n]) for i, n in enumerate(f["lengths"])]
-    counts = draft_vocab_lib.count_tokens([t for t, _ in seqs], [m for _, m in seqs],
-                                          config.model.vocab_size)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no draft token counts in {stage_dir(workdir)} ({DRAFT_COUNTS}): "
+                            f"run the MTP stage for this workdir")
+  counts = np.load(path)
   ids = draft_vocab_lib.top_tokens(counts, size, always)
   return ids, draft_vocab_lib.coverage(counts, ids)
 
