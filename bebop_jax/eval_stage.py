@@ -218,10 +218,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   }
   if rl_summary is not None:
     summary["rl"] = rl_section(rl_summary)
-  timing = _read_timing(workdir)
+  timing = read_timing(workdir)
   started_at = timing.pop("started_at", None)
   timing["eval_s"] = time.perf_counter() - start
-  timing["total_s"] = (time.time() - started_at if started_at else
+  earlier = timing.pop("earlier_s", 0.0)  # stages run by earlier invocations (stages.run)
+  timing["total_s"] = (time.time() - started_at + earlier if started_at else
                        sum(v for k, v in timing.items() if k.endswith("_s")))
   timing.setdefault("compile", {})["eval"] = metrics_lib.compile_stats(since=compiles)
   summary["timing"] = timing
@@ -300,5 +301,5 @@ def write_timing(workdir: str, timing: dict[str, float]):
   metrics_lib.write_json_atomic(os.path.join(workdir, TIMING_FILE), timing)
 
 
-def _read_timing(workdir: str) -> dict[str, float]:
+def read_timing(workdir: str) -> dict[str, float]:
   return metrics_lib.read_json(os.path.join(workdir, TIMING_FILE)) or {}

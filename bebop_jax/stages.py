@@ -115,10 +115,20 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   them, and later stages reuse the traced and compiled programs of earlier ones. The
   config's `data.tokenizer` is the active tokenizer (`get_tokenizer()`) while they run.
   <workdir>/timing.json gets each stage's seconds and, under "compile", the seconds of them
-  spent compiling and the persistent compilation cache's hits (metrics.compile_stats)."""
+  spent compiling and the persistent compilation cache's hits (metrics.compile_stats); the
+  times of stages an earlier invocation ran there, and this one does not, are kept."""
   from bebop_jax import eval_stage as eval_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax import report  # pylint: disable=g-import-not-at-top
   timing = {"started_at": time.time(), "compile": {}}
+  # Stages an earlier invocation ran in this workdir and this one does not (a job run in
+  # pieces, e.g. stages=("rl","eval") after ("sft","mtp")) keep their times; the total
+  # adds them to this invocation's wall clock.
+  earlier = eval_lib.read_timing(workdir)
+  for name in config_lib.STAGES:
+    if name not in config.stages and f"{name}_s" in earlier:
+      timing[f"{name}_s"] = earlier[f"{name}_s"]
+      timing["compile"][name] = earlier.get("compile", {}).get(name)
+  timing["earlier_s"] = sum(v for k, v in timing.items() if k.endswith("_s"))
   with tokenizer_lib.use_tokenizer(tokenizer_lib.for_data(config.data)):
     for name in config_lib.STAGES:
       if name in config.stages:

@@ -204,7 +204,14 @@ def test_an_mtp_stage_with_a_reduced_draft_vocabulary(job, tmp_path):
   c.mtp.train.eval_every = 1
   config = config_lib.validate(c)
   workdir = str(tmp_path)
-  summary = mtp.run(config, workdir)
+  # A job run in pieces: the SFT stage's time, from an earlier invocation, is kept.
+  with open(os.path.join(workdir, "timing.json"), "w") as f:
+    json.dump({"sft_s": 12.5, "compile": {"sft": {"seconds": 1.0}}}, f)
+  stages.run(config, workdir)
+  timing = json.load(open(os.path.join(workdir, "timing.json")))
+  assert timing["sft_s"] == timing["earlier_s"] == 12.5 and timing["mtp_s"] > 0
+  assert set(timing["compile"]) == {"sft", "mtp"}
+  summary = mtp.read_summary(workdir)
   ids = mtp.stored_draft_vocabulary(workdir)
   assert len(ids) == 12 and 2 in ids.tolist()  # the end of sequence can be drafted
   assert 0 < summary["draft_vocab"]["coverage_train"] <= 1

@@ -176,8 +176,8 @@ def test_drafter_arms_take_the_scale_settings(tmp_path):
   assert c.rl.clip_high == s.rl_clip_high
   assert c.rl.mtp.strategy == "frozen"
   assert s.seeds >= 3 and s.objective_starts == ("warm", "scratch")
-  assert ctx.drafter_config("ce", 1, "scratch").mtp.reinit
-  assert not ctx.drafter_config("ce", 1).mtp.reinit
+  assert ctx.drafter_config("ce", 1, "scratch").mtp.init == "fresh"
+  assert ctx.drafter_config("ce", 1).mtp.init == "sft"
 
 
 def test_fit_line_against_numpy():
