@@ -163,3 +163,17 @@ def test_objectives_comparison_is_paired_by_seed():
   assert comp["gains_over_ce"]["e2e_tv"]["relative_gain"] < 2 * comp["gains_over_ce"][
       "e2e_tv"]["relative_gain_se"]
   assert comp["paired"]["e2e_tv"]["ci95"][0] > 0
+
+
+def test_held_out_evaluations_are_read_in_integer_step_order():
+  """An RL summary's eval_by_step comes back from JSON with its keys sorted as text ("0",
+  "12", "6"): F4's "after" is the last step as an integer (12), not the last key."""
+  import json  # pylint: disable=g-import-not-at-top
+  evals = {step: {"acceptance": {m: [step / 100] * 3 for m in ("rejection", "greedy_draft")},
+                  "pass_at_1": {"math": step / 10, "code": 0.0}} for step in (0, 6, 12)}
+  from_json = json.loads(json.dumps({str(k): v for k, v in evals.items()}, sort_keys=True))
+  assert list(from_json) == ["0", "12", "6"]
+  points = through_rl.held_out_by_step(from_json)
+  assert points["eval_steps"] == [0, 6, 12]
+  assert [a[0] for a in points["eval_acceptance"]["rejection"]] == [0.0, 0.06, 0.12]
+  assert points["eval_pass_at_1"] == [0.0, 0.3, 0.6]

@@ -32,6 +32,16 @@ TOLERANCE = rules.MARGIN  # acceptance a "kept" drafter may lose over the run
 ARM, CONTROL = "frozen_e2e_tv", "frozen_ce"
 
 
+def held_out_by_step(eval_by_step: dict) -> dict[str, list]:
+  """The held-out evaluations of an RL summary in step order. Its keys are steps written as
+  JSON strings (sorted as text: "0", "12", "6"), so they are ordered as integers here."""
+  steps = sorted(eval_by_step, key=int)
+  evals = [eval_by_step[k] for k in steps]
+  return {"eval_steps": [int(k) for k in steps],
+          "eval_acceptance": {m: [e["acceptance"][m] for e in evals] for m in common.MODES},
+          "eval_pass_at_1": [float(np.mean(list(e["pass_at_1"].values()))) for e in evals]}
+
+
 def collect(ctx: common.Context) -> dict[str, dict]:
   """Per arm: logged steps, per-step teacher-forced acceptance per mode and depth, entropy,
   held-out acceptance by step, the median seconds per step, and the mean seconds of the MTP
@@ -48,11 +58,7 @@ def collect(ctx: common.Context) -> dict[str, dict]:
         "tf_acceptance": {m: [[np.nan if a is None else a for a in row] for row in rows]
                           for m, rows in s["tf_acceptance_by_step"].items()},
         "entropy": s["entropy_by_step"],
-        "eval_steps": [int(k) for k in s["eval_by_step"]],
-        "eval_acceptance": {m: [e["acceptance"][m] for e in s["eval_by_step"].values()]
-                            for m in common.MODES},
-        "eval_pass_at_1": [float(np.mean(list(e["pass_at_1"].values())))
-                           for e in s["eval_by_step"].values()],
+        **held_out_by_step(s["eval_by_step"]),
         "step_s": float(np.median([r["step_s"] for r in records])),
         "mtp_update_s": float(np.mean([r["mtp_update_s"] for r in records])),
         "mtp_update_s_total": float(s["timing"]["mtp_update_s"]),
