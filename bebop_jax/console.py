@@ -27,8 +27,11 @@ class _Quiet(std_logging.Filter):
 def route_logs(workdir: str, to_terminal: bool = False) -> str:
   """Library INFO logs (orbax, TFDS, absl) go to <workdir>/log.txt; the terminal keeps the
   stage lines, progress bars and warnings. With `to_terminal` (an explicit --verbosity)
-  they also stay on the terminal. Returns the log file's path."""
-  path = os.path.join(workdir, "log.txt")
+  they also stay on the terminal. Returns the log file's path: log.txt, or for process
+  I > 0 of a run over several processes log.process<I>.txt."""
+  from bebop_jax import multihost  # pylint: disable=g-import-not-at-top
+  index = multihost.process_index()
+  path = os.path.join(workdir, "log.txt" if index == 0 else f"log.process{index}.txt")
   handler = std_logging.FileHandler(path)
   handler.setLevel(std_logging.INFO)
   handler.setFormatter(logging.PythonFormatter())

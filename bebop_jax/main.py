@@ -3,6 +3,7 @@ r"""Entry point: runs the stages a config names.
   python -m bebop_jax.main --config=configs/quickstart.py[:arg] \
       [--config.key=value ...] [--workdir=DIR] [--compilation_cache=DIR]
       [--distributed=auto|on|off]
+      [--coordinator=HOST:PORT --num_processes=N --process_id=I [--distributed_timeout=S]]
 
 The config file's `get_config(arg)` returns an ml_collections.ConfigDict; it is locked, so an
 override of a key that does not exist is an error, and `bebop_jax.config.validate` rejects bad
@@ -13,6 +14,10 @@ terminal too).
 A bad config, mesh, placement or checkpoint stops the run with one short message saying
 what is wrong and, where the config file's docstring gives one, how to run it (e.g. the
 XLA_FLAGS line that simulates its devices); `--debug` shows the traceback instead.
+
+Several processes (docs/usage.md): every process runs the same command with its own
+`--process_id`; process 0 hosts the coordinator at `--coordinator`. They check that they were
+given the same config and workdir before any work (bebop_jax.multihost).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
 from bebop_jax import console
+from bebop_jax import multihost
 from bebop_jax import sharding
 from bebop_jax import stages
 
@@ -46,6 +52,18 @@ _DISTRIBUTED = flags.DEFINE_enum(
     "Call jax.distributed.initialize() before anything else: on every host of a multi-host "
     "run (TPU pod slice, or a coordinator given by JAX_COORDINATOR_ADDRESS). auto: when the "
     "environment names several TPU hosts or a coordinator.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", None, "HOST:PORT of the coordinator of a run over several processes "
+    "(process 0 hosts it; default JAX_COORDINATOR_ADDRESS). With --num_processes and "
+    "--process_id: JAX's multi-controller runtime on any machines, e.g. two processes on "
+    "localhost (CPU collectives over gloo).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "How many processes run this job (with --coordinator).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index, 0..num_processes-1 (with --coordinator).")
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_float(
+    "distributed_timeout", 300.0, "Seconds a process waits for the coordinator and the other "
+    "processes at start-up before it stops with a message.")
 _DEBUG = flags.DEFINE_bool(
     "debug", False, "Show the traceback of a configuration, placement or checkpoint error "
     "instead of its one-line message.")
@@ -62,7 +80,8 @@ def user_errors() -> tuple[type[Exception], ...]:
   from bebop_jax.rl.placement import PlacementError
   from bebop_jax.train.checkpoint import CheckpointMismatchError
   return (config_lib.ConfigError, sharding.MeshError, PlacementError, AotError,
-          CheckpointMismatchError, CheckpointError, GGUFError, ChatTemplateError)
+          CheckpointMismatchError, CheckpointError, GGUFError, ChatTemplateError,
+          multihost.DistributedError)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -94,12 +113,20 @@ def _main():
   to_terminal = flags.FLAGS["verbosity"].present
   if not to_terminal:  # before JAX starts its backends (they log at INFO)
     logging.get_absl_handler().setLevel(std_logging.WARNING)
-  if sharding.multihost(_DISTRIBUTED.value, dict(os.environ)):
-    import jax  # pylint: disable=g-import-not-at-top
-    jax.distributed.initialize()  # every host runs this same program
-    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+  explicit = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if _DISTRIBUTED.value != "off" and (any(x is not None for x in explicit) or
+                                      sharding.multihost(_DISTRIBUTED.value, dict(os.environ))):
+    coordinator = _COORDINATOR.value
+    if coordinator is None and any(x is not None for x in explicit):
+      coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    # Every process runs this same program; process 0 hosts the coordinator.
+    multihost.initialize(coordinator, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                         timeout_s=_DISTRIBUTED_TIMEOUT.value)
   config = config_lib.validate(_CONFIG.value)
-  workdir = os.path.abspath(_WORKDIR.value or default_workdir(
+  # Every process must run the same job: the same config and workdir.
+  multihost.check_same({**multihost.flat_items(config.to_dict()),
+                        "--workdir": str(_WORKDIR.value)}, "config")
+  workdir = os.path.abspath(_WORKDIR.value or console.default_workdir(
       flags.FLAGS["config"].config_filename))
   os.makedirs(workdir, exist_ok=True)
   stages.enable_compilation_cache(_COMPILATION_CACHE.value, workdir)
