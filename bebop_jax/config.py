@@ -91,6 +91,11 @@ def base_config() -> ml_collections.ConfigDict:
   # later visits sample a solution path (the tasks' fork knobs): the policy learns
   # the skills on one path before it sees the forks.
   c.data.canonical_examples = 0
+  # The SFT and RL data streams come in this many shards, each a grain pipeline over its
+  # slice of the datasets giving its share of every batch; a process of a run over several
+  # reads only its shards (bebop_jax.multihost). 0 = one per process. A one-process run with
+  # data.shards=N reads the batches an N-process run reads.
+  c.data.shards = 0
 
   # The policy (bebop_jax.model.config.ModelConfig fields); presets in model_config.PRESETS.
   c.model = ml_collections.ConfigDict(dataclasses.asdict(model_config.preset("tiny")))
@@ -392,6 +397,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not isinstance(d.canonical_examples, int) or d.canonical_examples < 0:
     _fail("data.canonical_examples", d.canonical_examples, "must be an int >= 0")
   tok = _validate_tokenizer(d.tokenizer, d.chat_format)
+  if not isinstance(d.shards, int) or isinstance(d.shards, bool) or d.shards < 0:
+    _fail("data.shards", d.shards, "must be an int >= 0 (0 = one per process)")
+  for key in ("data.batch_size", "mtp.batch_size", "rl.prompts_per_batch"):
+    if d.shards and isinstance(_get(config, key), int) and _get(config, key) % d.shards:
+      _fail(key, _get(config, key), f"must be a multiple of data.shards={d.shards} (each "
+            "shard gives an equal share of a batch)")
 
   total_weight = 0.0
   for name in tasks_lib.TASK_NAMES:

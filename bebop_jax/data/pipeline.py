@@ -20,11 +20,18 @@ prompts_per_batch * group_size, each prompt repeated group_size times in consecu
 
 Both are deterministic given the seed, and their iterators checkpoint: `it.get_state()` /
 `it.set_state(state)` (or `grain.checkpoint` handlers with orbax) resume exactly.
+
+Shards (`shard=(s, S)`, config data.shards): stream s of S reads the s-th of every S examples
+of each task's split (grain's sharding of a source), and gives its own packed or padded rows:
+1/S of each global batch's rows (SFT) or prompts (RL). A global batch is the S shards' rows
+in shard order, so a process that reads shards s..s' (`process_iterator`) holds exactly its
+rows; S = 1 is the one stream, as always.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import json
+from typing import Any, Iterator, Mapping, Sequence
 
 import grain
 import numpy as np
@@ -83,14 +90,18 @@ def task_source(data_cfg: Mapping[str, Any], task_name: str, split: str):
   return builder.as_data_source()[split]
 
 
-def _mixture(data_cfg: Mapping[str, Any], split: str, seed: int, repeat: bool
-             ) -> grain.MapDataset:
-  """Shuffled (and optionally repeated) weighted mixture of the task datasets."""
+def _mixture(data_cfg: Mapping[str, Any], split: str, seed: int, repeat: bool,
+             shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
+  """Shuffled (and optionally repeated) weighted mixture of the task datasets (of the
+  `shard` = (s, S) slice of each: its examples s, s + S, ...)."""
   datasets, weights = [], []
   names = [n for n in TASK_NAMES if data_cfg["tasks"][n]["weight"] > 0]
+  index, count = _check_shard(shard)
   for name in names:
-    ds = grain.MapDataset.source(task_source(data_cfg, name, split)).shuffle(
-        seed=seed + 7919 * TASK_NAMES.index(name))
+    ds = grain.MapDataset.source(task_source(data_cfg, name, split))
+    if count > 1:
+      ds = ds[index::count]
+    ds = ds.shuffle(seed=seed + 7919 * TASK_NAMES.index(name))
     if repeat:
       ds = ds.repeat()
     datasets.append(ds.map(lambda record, n=name: {"task": n, **record}))
@@ -100,20 +111,38 @@ def _mixture(data_cfg: Mapping[str, Any], split: str, seed: int, repeat: bool
   return grain.MapDataset.mix(datasets, weights)
 
 
+def _check_shard(shard: tuple[int, int]) -> tuple[int, int]:
+  index, count = (int(x) for x in shard)
+  if count < 1 or not 0 <= index < count:
+    raise ValueError(f"shard={shard} is not allowed: (s, S) with 0 <= s < S")
+  return index, count
+
+
+def _rows_per_shard(rows: int, count: int, what: str) -> int:
+  if rows % count:
+    raise ValueError(f"{what}={rows} does not split into {count} data shards")
+  return rows // count
+
+
 def _as_str(value: Any) -> str:
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
-                packing: bool = True, seed: int = 0, split: str = "train"
-                ) -> grain.IterDataset:
+                packing: bool = True, seed: int = 0, split: str = "train",
+                shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
   """Endless SFT batches (see module docstring); demonstrations longer than seq_len dropped.
 
   Every visit of an example samples a fresh demonstration, `task.demonstration(example,
   key)` with a key derived from `seed` and the visit's position in the stream (so the
   stream is deterministic and resumable); with diversity 0 it is the canonical one, and so
   it is for the first `data_cfg["canonical_examples"]` examples of the stream.
+
+  `shard` = (s, S): shard s of S (module docstring), batch_size / S rows of each global
+  batch of `batch_size`; its visits' keys are those of positions s, s + S, ... .
   """
+  shard_index, shard_count = _check_shard(shard)
+  rows = _rows_per_shard(batch_size, shard_count, "batch_size")
   tasks = {name: get_task(name, **dict(data_cfg["tasks"][name]["knobs"]))
            for name in TASK_NAMES if data_cfg["tasks"][name]["weight"] > 0}
 
@@ -126,17 +155,18 @@ def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
     if index >= canonical_examples and any(getattr(task, knob, 0) > 0
                                            for knob in _SAMPLING_KNOBS):
       example = Example.from_json(_as_str(record["example_json"]))
-      demonstration = task.demonstration(example, (seed << 40) + index)
+      position = index * shard_count + shard_index  # index with one shard
+      demonstration = task.demonstration(example, (seed << 40) + position)
     return sft_features(_as_str(record["prompt"]), demonstration, tok)
 
-  ds = (_mixture(data_cfg, split, seed, repeat=True)
+  ds = (_mixture(data_cfg, split, seed, repeat=True, shard=shard)
         .map_with_index(featurize)
         .filter(lambda ex: len(ex["tokens"]) <= seq_len)
         .to_iter_dataset(READ_OPTIONS))
   if packing:
     ds = grain.experimental.FirstFitPackIterDataset(
         ds, length_struct={k: seq_len for k in _SFT_KEYS},
-        num_packing_bins=batch_size, seed=seed, shuffle_bins=True,
+        num_packing_bins=rows, seed=seed, shuffle_bins=True,
         meta_features=("loss_mask",))
     ds = ds.map(lambda ex: {"tokens": ex["tokens"],
                             "segment_ids": ex["tokens_segment_ids"],
@@ -144,7 +174,7 @@ def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
                             "loss_mask": ex["loss_mask"]})
   else:
     ds = ds.map(lambda ex: _pad_example(ex, seq_len))
-  return ds.batch(batch_size, drop_remainder=True)
+  return ds.batch(rows, drop_remainder=True)
 
 
 def _pad_example(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
@@ -158,8 +188,14 @@ def _pad_example(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarra
 
 def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
                       group_size: int, max_prompt_len: int, seed: int = 0,
-                      split: str = "rl", repeat: bool = True) -> grain.IterDataset:
-  """Batches of prompts, each repeated `group_size` times (see module docstring)."""
+                      split: str = "rl", repeat: bool = True,
+                      shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
+  """Batches of prompts, each repeated `group_size` times (see module docstring); with
+  `shard` = (s, S), shard s's prompts_per_batch / S prompts of each global batch (its
+  group_ids count on from the shards before it)."""
+  shard_index, shard_count = _check_shard(shard)
+  prompts = _rows_per_shard(prompts_per_batch, shard_count, "prompts_per_batch")
+  first_group = shard_index * prompts
   tok = get_tokenizer()
 
   def featurize(record):
@@ -174,13 +210,56 @@ def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
 
   def repeat_group(batch):
     out = {k: np.repeat(np.asarray(v), group_size, axis=0) for k, v in batch.items()}
-    out["group_ids"] = np.repeat(np.arange(prompts_per_batch, dtype=np.int32), group_size)
+    out["group_ids"] = np.repeat(np.arange(first_group, first_group + prompts,
+                                           dtype=np.int32), group_size)
     return out
 
-  ds = _mixture(data_cfg, split, seed, repeat=repeat).map(featurize)
+  ds = _mixture(data_cfg, split, seed, repeat=repeat, shard=shard).map(featurize)
   return (ds.to_iter_dataset(READ_OPTIONS)
-          .batch(prompts_per_batch, drop_remainder=True)
+          .batch(prompts, drop_remainder=True)
           .map(repeat_group))
+
+
+class ShardedBatches:
+  """This process's rows of every global batch: the next batch of each of its shards'
+  iterators, concatenated in shard order. Checkpointable like a grain iterator
+  (`get_state()` -> bytes, `set_state(bytes)`: every shard's position; grain's orbax
+  handler stores it per process)."""
+
+  def __init__(self, iterators: Sequence[Any]):
+    self.iterators = list(iterators)
+
+  def __iter__(self) -> "ShardedBatches":
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(it) for it in self.iterators]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def get_state(self) -> bytes:
+    return json.dumps([it.get_state() for it in self.iterators], indent=1).encode()
+
+  def set_state(self, state: bytes) -> None:
+    states = json.loads(state.decode() if isinstance(state, bytes) else state)
+    if len(states) != len(self.iterators):
+      raise ValueError(f"a saved position of {len(states)} data shards, but this process "
+                       f"reads {len(self.iterators)}: resume with the same data.shards and "
+                       "number of processes")
+    for it, s in zip(self.iterators, states):
+      it.set_state(s)
+
+  def start_prefetch(self) -> None:
+    """grain's checkpoint handler calls this after a restore."""
+
+
+def process_iterator(datasets: Sequence[grain.IterDataset]
+                     ) -> Iterator[dict[str, np.ndarray]]:
+  """The batch iterator of a process over its shards' datasets (in shard order;
+  multihost.data_shards says which): one dataset's own grain iterator (as a one-process run
+  always had), or their `ShardedBatches`."""
+  if len(datasets) == 1:
+    return iter(datasets[0])
+  return ShardedBatches([iter(ds) for ds in datasets])
 
 
 def eval_examples(data_cfg: Mapping[str, Any], task_name: str, num: int,
