@@ -286,7 +286,7 @@ def _policy_line(s: dict) -> str:
 
 
 def render_report(s: dict, plots: dict[str, str]) -> str:
-  fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)
+  fmt = lambda xs: "-" if xs is None else " / ".join(f"{x:.3f}" for x in xs)
   d, e = s["decode"], s["eval"]
   before_rl = e.get("accuracy_before_rl")
   lines = ["# bebop_jax run report", "", _policy_line(s), "",
@@ -344,6 +344,8 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
             "|---|---|---|---|---|---|---|---|---|"]
   for r in d["benchmark"]:
     mode = r["mode"] + (" (adaptive K)" if r.get("k") == "adaptive" else "")
+    if r.get("draft_vocab") not in (None, "full"):  # no teacher-forced check on a reduced one
+      mode += f" @{r['draft_vocab']}"
     lines.append(f"| {r['batch']} | {r['prompts']} | {mode} | "
                  f"{r['ar_tokens_per_s']:.0f} | {r['spec_tokens_per_s']:.0f} | "
                  f"{r['speedup']:.2f}x | {r['tokens_per_target_forward']:.2f} | "

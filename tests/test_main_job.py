@@ -1,5 +1,6 @@
 """The main job end to end on the tiny configs: SFT -> MTP -> eval, summary keys, reruns."""
 
+import collections
 import json
 import os
 import time
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from bebop_jax import config as config_lib
+from bebop_jax import report
 from bebop_jax import stages
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
@@ -274,6 +276,10 @@ def test_decode_benchmark_rows_per_draft_vocabulary(job):
   assert rows[0]["acceptance_teacher_forced"] is not None
   assert rows[1]["acceptance_teacher_forced"] is None
   assert "block @6" in benchmark.format_row(rows[1])
+  s = metrics_lib.read_json(os.path.join(workdir, "summary.json"))  # the report renders them
+  s["decode"]["benchmark"] = rows
+  text = report.render_report(s, collections.defaultdict(lambda: "plot.png"))
+  assert "| 2 | 2 | block @6 |" in text and text.count("| 2 | 2 | block") == 2
 
 
 def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
@@ -302,7 +308,6 @@ def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
 
 
 def test_the_run_ends_with_a_short_summary_table(tmp_path):
-  from bebop_jax import report  # pylint: disable=g-import-not-at-top
   (tmp_path / "report.md").write_text("r")
   s = {"rl": {"pass_at_1_before": {"math": 0.5, "code": 0.25},
               "pass_at_1_after": {"math": 0.625, "code": 0.375},
