@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bebop_jax import multihost
 from bebop_jax import report
 from bebop_jax.decoding import adaptive, batching, benchmark, diagnostics, sampling
 from bebop_jax.rl import stage as rl_stage
@@ -226,10 +227,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                        sum(v for k, v in timing.items() if k.endswith("_s")))
   timing.setdefault("compile", {})["eval"] = metrics_lib.compile_stats(since=compiles)
   summary["timing"] = timing
-  plots = report.write_plots(workdir, summary, entropy)
-  metrics_lib.write_json_atomic(os.path.join(workdir, "summary.json"), summary)
-  with open(os.path.join(workdir, "report.md"), "w") as f:
-    f.write(report.render_report(summary, plots))
+  if multihost.is_primary():  # process 0 of a run over several writes the files
+    plots = report.write_plots(workdir, summary, entropy)
+    metrics_lib.write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+      f.write(report.render_report(summary, plots))
   print(f"[eval] wrote {workdir}/summary.json, report.md and plots/ "
         f"({timing['eval_s']:.0f}s)")
   print(report.headline(summary))

@@ -10,6 +10,7 @@ from typing import Callable
 import ml_collections
 
 from bebop_jax import config as config_lib
+from bebop_jax import multihost
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
@@ -69,8 +70,9 @@ def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         f"group_ids {rl['group_ids'].tolist()}")
   report["sft_batch"] = {"shape": list(batch["tokens"].shape), "fill": fill,
                          "target_fraction": targets}
-  with open(os.path.join(workdir, "data_summary.json"), "w") as f:
-    json.dump(report, f, indent=2)
+  if multihost.is_primary():
+    with open(os.path.join(workdir, "data_summary.json"), "w") as f:
+      json.dump(report, f, indent=2)
 
 
 def sft_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -108,6 +110,36 @@ STAGE_FNS: dict[str, Callable[[ml_collections.ConfigDict, str], None]] = {
 assert tuple(STAGE_FNS) == config_lib.STAGES
 
 
+def check_shards(config: ml_collections.ConfigDict) -> int:
+  """The number of data shards of this run (multihost.data_shards: data.shards, 0 = one per
+  process); a ConfigError when a batch does not split into them."""
+  try:
+    shards, _ = multihost.data_shards(config.data.shards)
+  except multihost.DistributedError as e:
+    raise config_lib.ConfigError(str(e)) from e
+  for key, value in (("data.batch_size", config.data.batch_size),
+                     ("mtp.batch_size", config.mtp.batch_size),
+                     ("rl.prompts_per_batch", config.rl.prompts_per_batch)):
+    if value % shards:
+      raise config_lib.ConfigError(
+          f"config.{key}={value} does not split into {shards} data shards (data.shards="
+          f"{config.data.shards}, {multihost.process_count()} processes): use a multiple")
+  return shards
+
+
+def prepare_datasets(config: ml_collections.ConfigDict) -> None:
+  """With several processes, process 0 prepares the task datasets (TFDS writes each once)
+  while the others wait; then every process reads them. Nothing with one process (the
+  stages prepare them on first use)."""
+  if multihost.process_count() == 1:
+    return
+  if multihost.is_primary():
+    for name in tasks_lib.TASK_NAMES:
+      if config.data.tasks[name].weight > 0:
+        pipeline.task_source(config.data, name, "train")
+  multihost.barrier("datasets")
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool = True) -> None:
   """Runs the config's stages in the canonical order. `release_compiled` drops JAX's
   compiled programs after each stage (benchmark.release_compiled: a long job on CPU would
@@ -129,7 +161,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
       timing[f"{name}_s"] = earlier[f"{name}_s"]
       timing["compile"][name] = earlier.get("compile", {}).get(name)
   timing["earlier_s"] = sum(v for k, v in timing.items() if k.endswith("_s"))
+  check_shards(config)
   with tokenizer_lib.use_tokenizer(tokenizer_lib.for_data(config.data)):
+    prepare_datasets(config)
     for name in config_lib.STAGES:
       if name in config.stages:
         start, compiles = time.perf_counter(), metrics_lib.compile_stats()
@@ -139,6 +173,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
         timing[f"{name}_s"] = time.perf_counter() - start
         timing["compile"][name] = metrics_lib.compile_stats(since=compiles)
         eval_lib.write_timing(workdir, timing)  # the eval stage reports the earlier stages
+        # Process 0 wrote the stage's files: every process sees them before the next stage.
+        multihost.barrier(f"after_{name}")
   if any(n in config.stages for n in ("sft", "mtp", "rl", "eval")):
     summary = eval_lib.read_summary(workdir)
     # A rerun that skipped finished stages keeps the times of the run that did them.

@@ -39,6 +39,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from bebop_jax import multihost
 from bebop_jax import sharding
 from bebop_jax.decoding import batching, sampling
 from bebop_jax.losses import head as head_lib
@@ -521,12 +522,12 @@ class Learner:
     lengths = rollouts.prompt_lengths + rollouts.lengths
     full = learner_batch(rollouts, adv, self.bucket(lengths), keep)
     if self.ref_fn is not None:
-      full["ref_logprobs"] = np.asarray(self.ref_fn(self.ref_trunk, self.mtp, full["tokens"],
-                                                    full["segment_ids"]))
+      full["ref_logprobs"] = multihost.to_host(self.ref_fn(
+          self.ref_trunk, self.mtp, full["tokens"], full["segment_ids"]))
     kind = "policy"
     if stale_rows.any() and self.decoupled:
       kind = "policy_proximal"
-      full["proximal_logprobs"] = np.asarray(self.logprobs_fn(
+      full["proximal_logprobs"] = multihost.to_host(self.logprobs_fn(
           self.trunk, self.mtp, full["tokens"], full["segment_ids"]))
       metrics.update(behaviour_weight_stats(full, self.is_cap))
       # The proximal log-probs are the learner's before this step's updates.
@@ -536,7 +537,9 @@ class Learner:
                            rows_buckets=self.row_buckets)
     rows, length = parts[0]["tokens"].shape
     compiled, batch_sh = self._step(kind, length, rows)
-    parts = [{k: jax.device_put(v, batch_sh[k]) for k, v in p.items()} for p in parts]
+    # Every process holds the whole batch (the rollouts were exchanged): each places the
+    # blocks its devices hold.
+    parts = [multihost.put_everywhere(p, batch_sh) for p in parts]
     results = []
     for _ in range(rl.epochs):
       for part in parts:
@@ -591,7 +594,7 @@ class Learner:
     results = []
     for b in batches:
       compiled, batch_sh = self._step("mtp", b["tokens"].shape[1])
-      b = {k: jax.device_put(v, batch_sh[k]) for k, v in b.items()}
+      b = multihost.put_everywhere(b, batch_sh)
       self.mtp, self.mtp_opt, self.mtp_updates, m = compiled.fn(
           self.mtp, self.trunk, self.mtp_opt, self.mtp_updates, b)
       results.append(m)

@@ -2,7 +2,8 @@
 
 `config.rl.placement`:
   mode             "colocated" (default): the learner on `config.mesh` over every device, the
-                   rollouts on the first device (one process, one set of devices);
+                   rollouts on the first device (one process, one set of devices; with
+                   several processes, each samples its share on its own first device);
                    "split": the first `learner_devices` of `jax.devices()` form the learner
                    sub-mesh, the next `rollout_devices` the rollout sub-mesh.
   learner_devices  a count (>= 1) or a fraction in (0, 1) of the devices;
@@ -27,6 +28,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from bebop_jax import multihost
 from bebop_jax import sharding
 
 MODES = ("colocated", "split")
@@ -93,7 +95,9 @@ class Placement:
 
   def to_rollout(self, params: Any) -> Any:
     """A copy of `params` on the rollout side (resharded; never aliasing the learner's
-    buffers, which its next update donates)."""
+    buffers, which its next update donates). With several processes each process's copy is
+    on its own first device (multihost.to_local)."""
+    params = multihost.to_local(params)
     shardings = self.rollout_shardings(params)
     return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), params, shardings)
 
@@ -107,7 +111,9 @@ class Placement:
   def describe(self) -> str:
     shape = lambda m: "x".join(f"{a}{s}" for a, s in m.shape.items())
     if not self.split:
-      return f"colocated (learner mesh {shape(self.learner_mesh)}, rollouts on device 0)"
+      where = ("device 0" if multihost.process_count() == 1 else
+               "each process's first device")
+      return f"colocated (learner mesh {shape(self.learner_mesh)}, rollouts on {where})"
     return (f"split: learner {self.learner_mesh.devices.size} devices ({shape(self.learner_mesh)}),"
             f" rollouts {self.rollout_mesh.devices.size} devices ({shape(self.rollout_mesh)})")
 
@@ -125,16 +131,22 @@ def make_placement(config: Any, devices: Sequence[Any] | None = None) -> Placeme
   Raises:
     PlacementError: for an unknown mode, or counts or meshes that do not fit the devices.
   """
+  given = devices is not None
   devices = list(jax.devices() if devices is None else devices)
   p = config.rl.placement
   if p.mode not in MODES:
     raise PlacementError(f"rl.placement.mode={p.mode!r} is not allowed: one of {MODES}")
+  if multihost.process_count() > 1 and p.mode != "colocated":
+    raise PlacementError(f"rl.placement.mode={p.mode!r} needs one process: a run over "
+                         f"{multihost.process_count()} processes samples colocated (each "
+                         "process on its first device)")
   if p.mode == "colocated":
     try:
       learner = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=devices)
     except sharding.MeshError as e:
       raise PlacementError(f"config.mesh does not fit the {len(devices)} devices: {e}") from e
-    first = Mesh(devices[:1], ("data",))
+    # Rollouts on one device of this process: the first (with one process, device 0).
+    first = Mesh(devices[:1] if given else [multihost.local_device()], ("data",))
     return Placement("colocated", learner, tuple(tuple(r) for r in config.mesh.rules), first, ())
   learner_devices, rollout_devices = split_devices(p.learner_devices, p.rollout_devices, devices)
   return Placement(

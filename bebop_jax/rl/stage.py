@@ -49,7 +49,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from bebop_jax import config as config_lib
 from bebop_jax import evaluation
+from bebop_jax import multihost
 from bebop_jax import rollout
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
@@ -247,6 +249,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   c = config.rl
   asynchronous = c.asynchronous
   eta = asynchronous.max_staleness if asynchronous.enabled else 0
+  if asynchronous.enabled and multihost.process_count() > 1:
+    # The rollout thread would exchange rollouts while the learner runs its collectives.
+    raise config_lib.ConfigError(
+        f"rl.asynchronous.enabled=True needs one process; this run has "
+        f"{multihost.process_count()}: use the synchronous loop")
   os.makedirs(stage_dir(workdir), exist_ok=True)
   stage_start = time.perf_counter()
   place = placement_lib.make_placement(config)
@@ -262,9 +269,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   print(f"[rl] updates compiled in {learn.compile_seconds:.1f}s (policy from the {source} "
         f"stage, MTP strategy {c.mtp.strategy}); {loop}; {place.describe()}")
 
-  prompts = iter(pipeline.rl_prompt_dataset(
+  # This process's shards of the prompt stream: its prompts of every batch.
+  shards, local = multihost.data_shards(config.data.shards)
+  prompts = pipeline.process_iterator([pipeline.rl_prompt_dataset(
       config.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
-      max_prompt_len=c.max_prompt_len, seed=config.seed))
+      max_prompt_len=c.max_prompt_len, seed=config.seed, shard=(s, shards)) for s in local])
   checkpointer = checkpoint_lib.Checkpointer(
       checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=c.train.keep_checkpoints)
   start_step = 0
@@ -284,8 +293,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   examples = {n: pipeline.eval_examples(config.data, n, c.eval.num_examples) for n in names}
 
   def held_out() -> dict[str, Any]:
-    with store.read() as (params, _), place.rollout_context():
-      return evaluate(config, graphdef, params, examples, task_objs, draft_vocab, seeds)
+    def evaluate_newest() -> dict[str, Any]:
+      with store.read() as (params, _), place.rollout_context():
+        return evaluate(config, graphdef, params, examples, task_objs, draft_vocab, seeds)
+    # With several processes, process 0 evaluates and tells the others.
+    return multihost.on_primary(evaluate_newest, "rl_eval")
 
   evals_path = os.path.join(stage_dir(workdir), "evals.json")
   evals = {k: v for k, v in (metrics_lib.read_json(evals_path) or {}).items()
@@ -299,7 +311,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   num_steps = c.train.num_steps
   end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
   produce = _make_producer(config, graphdef, task_objs, store, place,
-                           tuple(c.acceptance_modes), learn.seq_len, draft_vocab, seeds)
+                           tuple(c.acceptance_modes), learn.seq_len, draft_vocab, seeds,
+                           shards=(shards, local))
 
   def draw():
     batch = next(prompts)
@@ -383,10 +396,16 @@ def _describe_timing(summary: dict) -> str:
 
 def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
                    place: placement_lib.Placement, tf_modes, pack_length: int,
-                   draft_vocab: tuple[int, ...] | None = None, seeds=None):
+                   draft_vocab: tuple[int, ...] | None = None, seeds=None,
+                   shards: tuple[int, tuple[int, ...]] = (1, (0,))):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
   on the rollout side with the newest weights in `store`, rollout key fold_in(seed + 101,
   index), and the teacher-forced acceptance of its rows under the version that sampled them.
+
+  `shards` = (S, this process's shards): with S > 1 the prompt batch holds this process's
+  shards' prompts, each shard s sampled on its own with key fold_in(that key, s); the
+  processes then exchange their rollouts (multihost.gather_objects), so every process
+  returns the whole batch's rollouts, in shard order, and the same metrics.
 
   Without rl.asynchronous.interrupt one version samples the whole batch. With it, each
   decoding call takes the newest version; a call holds whole GRPO groups (one version
@@ -403,9 +422,34 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
   engine.release_params()
   del params
 
+  num_shards, local = shards
+
   def produce(index: int, batch) -> tuple[rollout.Rollouts, dict[str, Any]]:
     exs = [tasks_lib.Example.from_json(x) for x in batch["example_json"]]
     key = jax.random.fold_in(base_key, index)
+    if num_shards == 1:
+      rollouts, scored, rollout_s, diagnostics_s = sample(exs, key)
+    else:  # this process's shards, then every process's rollouts in shard order
+      per = len(exs) // len(local)
+      mine = [sample(exs[i * per:(i + 1) * per], jax.random.fold_in(key, s))
+              for i, s in enumerate(local)]
+      rollout_s = sum(m[2] for m in mine)  # this process's seconds
+      diagnostics_s = sum(m[3] for m in mine)
+      parts = [part for got in multihost.gather_objects([m[:2] for m in mine], "rollouts")
+               for part in got]
+      rollouts = rollout.Rollouts.concatenate([r for r, _ in parts])
+      scored = [result for _, results in parts for result in results]
+    metrics = _batch_metrics(rollouts, c.group_size)
+    metrics["rollout_s"] = rollout_s
+    for mode in tf_modes:
+      alpha = _combine_teacher_forced([r[mode] for r in scored])
+      metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
+    metrics["diagnostics_s"] = diagnostics_s
+    return rollouts, metrics
+
+  def sample(exs, key):
+    """(the rollouts of `exs` sampled with `key`, their teacher-forced results, seconds of
+    sampling, seconds of scoring)."""
     t0 = time.perf_counter()
     scored: list[tuple[rollout.Rollouts, Any]] = []  # (rows, their teacher-forced result)
     diagnostics_s = 0.0
@@ -428,13 +472,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
                                      group_size=c.group_size)
           score(rollouts, params, version)
         del params
-    metrics = _batch_metrics(rollouts, c.group_size)
-    metrics["rollout_s"] = time.perf_counter() - t0 - diagnostics_s
-    for mode in tf_modes:
-      alpha = _combine_teacher_forced([r[mode] for r in scored])
-      metrics.update({f"tf_acceptance_{mode}_{k}": a for k, a in enumerate(alpha, 1)})
-    metrics["diagnostics_s"] = diagnostics_s
-    return rollouts, metrics
+    return rollouts, scored, time.perf_counter() - t0 - diagnostics_s, diagnostics_s
 
   return produce
 

@@ -57,6 +57,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from bebop_jax import multihost
+
 STATE_ITEM = "state"
 DATA_ITEM = "data"
 
@@ -120,7 +122,7 @@ def _default_sharding(shardings: Iterable[Any]) -> jax.sharding.Sharding:
   for sharding in shardings:
     if isinstance(sharding, NamedSharding):
       return NamedSharding(sharding.mesh, PartitionSpec())
-  return SingleDeviceSharding(jax.devices()[0])
+  return SingleDeviceSharding(multihost.local_device())
 
 
 def _to_struct(x: Any, sharding: jax.sharding.Sharding | None) -> jax.ShapeDtypeStruct:
@@ -162,8 +164,16 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
 
 
 def _as_arrays(pure: Any) -> Any:
-  """Numpy arrays and Python scalars of a pure tree as jax arrays (what is stored)."""
-  return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), pure)
+  """Numpy arrays and Python scalars of a pure tree as jax arrays (what is stored). In a run
+  over several processes, those that live on one process only (host values, arrays on a
+  local device) become arrays replicated over the processes, so one copy is written."""
+  pure = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), pure)
+  if multihost.process_count() == 1:
+    return pure
+  meshes = [x.sharding.mesh for x in jax.tree.leaves(pure)
+            if isinstance(x.sharding, NamedSharding) and not x.is_fully_addressable]
+  mesh = meshes[0] if meshes else jax.sharding.Mesh(np.asarray(jax.devices()), ("devices",))
+  return multihost.replicated_global(pure, mesh)
 
 
 def _path_str(key: tuple[Any, ...]) -> str:
@@ -539,7 +549,7 @@ def restore_policy(config: Any, workdir: str, *, stage: str = "mtp", step: int |
       modules (its checkpoints hold every parameter).
     step: the step of `stage`'s checkpoint (None: the latest); earlier stages' latest.
     mesh, rules: place every parameter on its sharding under these logical-axis rules (None:
-      everything on the default device).
+      everything on this process's first device, multihost.local_device()).
 
   Raises:
     FileNotFoundError: `stage` has no checkpoint in `workdir`.
@@ -552,8 +562,8 @@ def restore_policy(config: Any, workdir: str, *, stage: str = "mtp", step: int |
   model_cfg = model_config.ModelConfig.from_dict(config.model.to_dict())
   rules = sharding.DEFAULT_RULES if rules is None else rules
   graphdef, abstract = policy_lib.abstract_state(model_cfg)
-  abstract = abstract_like(abstract, SingleDeviceSharding(jax.devices()[0]) if mesh is None
-                           else sharding.state_shardings(abstract, mesh, rules))
+  abstract = abstract_like(abstract, SingleDeviceSharding(multihost.local_device())
+                           if mesh is None else sharding.state_shardings(abstract, mesh, rules))
 
   def placed(params: nnx.State) -> nnx.State:
     return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params,

@@ -2,19 +2,30 @@
 
 Each record is one JSON object per line: {"step": int, "stage": str, ...scalars}. On resume,
 `MetricsWriter(..., resume_step=s)` drops records past step s of the same stage, so the file
-never holds two histories.
+never holds two histories. In a run over several processes only process 0 writes these
+files (and `write_json_atomic`'s); the others' writers do nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Mapping
 
 import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
+
+
+def _primary() -> bool:
+  """Whether this process writes the run's files (bebop_jax.multihost.is_primary); a
+  process that has not imported JAX is a one-process run (this module does not start it)."""
+  if "jax" not in sys.modules:
+    return True
+  from bebop_jax import multihost  # pylint: disable=g-import-not-at-top
+  return multihost.is_primary()
 
 
 def _scalar(value: Any) -> float | int | str:
@@ -30,6 +41,9 @@ class MetricsWriter:
   def __init__(self, workdir: str, stage: str, resume_step: int = 0):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.stage = stage
+    self._tb = None
+    if not _primary():  # process 0 of several writes the run's files
+      return
     if os.path.exists(self.path):
       self._truncate_after(resume_step)
     self._tb = SummaryWriter(os.path.join(workdir, "tb", stage))
@@ -52,6 +66,8 @@ class MetricsWriter:
     os.replace(tmp, self.path)
 
   def write(self, step: int, metrics: Mapping[str, Any]):
+    if self._tb is None:
+      return
     record = {"stage": self.stage, "step": int(step), "time": time.time()}
     record.update({k: _scalar(v) for k, v in metrics.items()})
     with open(self.path, "a") as f:
@@ -61,7 +77,8 @@ class MetricsWriter:
         self._tb.add_scalar(f"{self.stage}/{key}", value, step)
 
   def close(self):
-    self._tb.close()
+    if self._tb is not None:
+      self._tb.close()
 
 
 MAX_SUFFIX = "_max"   # a metric that is a maximum: combined with max
@@ -132,7 +149,10 @@ class Progress:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-  """Writes JSON to path via a temporary file and a rename: a crash leaves the old file."""
+  """Writes JSON to path via a temporary file and a rename: a crash leaves the old file.
+  Only process 0 of a run over several processes writes."""
+  if not _primary():
+    return
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=2, sort_keys=True)

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from bebop_jax import evaluation
+from bebop_jax import multihost
 from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
@@ -321,14 +322,38 @@ class _Rows:
     return item
 
 
+class _ShardOfBatches:
+  """Shard s of S of a stream read in batches of `batch_size`: its element j is element
+  (j // m) * batch_size + s * m + j % m of `ds` (m = batch_size / S), so shard s's batches
+  of m are the s-th m rows of every batch of the whole stream."""
+
+  def __init__(self, ds: grain.MapDataset, batch_size: int, shard: tuple[int, int]):
+    self.ds, (self.index, self.count) = ds, shard
+    if batch_size % self.count:
+      raise ValueError(f"mtp.batch_size={batch_size} does not split into {self.count} shards")
+    self.rows, self.batch_size = batch_size // self.count, batch_size
+
+  def __len__(self):
+    return len(self.ds) // self.count
+
+  def __getitem__(self, j):
+    j = int(j)
+    return self.ds[(j // self.rows) * self.batch_size + self.index * self.rows + j % self.rows]
+
+
 def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int,
-                  features: np.ndarray | None = None) -> grain.IterDataset:
+                  features: np.ndarray | None = None, shard: tuple[int, int] = (0, 1)
+                  ) -> grain.IterDataset:
   """Endless shuffled batches of packed rows, with their trunk features when given
-  (checkpointable iterator)."""
+  (checkpointable iterator). `shard` = (s, S): the s-th batch_size / S rows of each of
+  those batches (a process reads only its rows; the global batches do not depend on S)."""
   if not len(rows["tokens"]):
     raise ValueError("no self-distillation data; raise mtp.data.num_prompts")
-  return (grain.MapDataset.source(_Rows(rows, features)).shuffle(seed=seed).repeat()
-          .batch(batch_size, drop_remainder=True).to_iter_dataset(pipeline.READ_OPTIONS))
+  ds = grain.MapDataset.source(_Rows(rows, features)).shuffle(seed=seed).repeat()
+  if shard[1] > 1:
+    ds = grain.MapDataset.source(_ShardOfBatches(ds, batch_size, shard))
+  return (ds.batch(batch_size // shard[1], drop_remainder=True)
+          .to_iter_dataset(pipeline.READ_OPTIONS))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -584,6 +609,34 @@ def _phases(config) -> list[tuple[str, int]]:
   return ([(m.warm_start.loss, warm)] if warm > 0 else []) + ([(m.loss, n)] if warm < n else [])
 
 
+def _packed_data(config, store, train_data, heldout, graphdef, params, seq_len: int,
+                 timing: dict[str, Any]):
+  """(targets per row or None, packed training rows, packed held-out rows, their trunk
+  features or None x 2) of the drafter dataset; the features from the store, computed and
+  stored first when absent (mtp.features "cached")."""
+  m = config.mtp
+  max_targets = None
+  if m.head == "fused":  # the head runs at the loss rows only: at most this many per row
+    max_targets = -(-max(int(np.sum(mk[1:seq_len] > 0)) for _, mk in
+                         train_data["sequences"] + heldout["sequences"]) // 8) * 8
+  rows = pack_rows(train_data["sequences"], seq_len, max_targets)
+  heldout_rows = pack_rows(heldout["sequences"], seq_len, max_targets)
+  features = heldout_features = None
+  if m.features == "cached":
+    t0 = time.perf_counter()
+    packed = lambda data: (None if data.get("hidden") is None else pack_hidden(
+        data["hidden"], data["sequences"], seq_len, max_targets))
+    features, source = cached_features(store, "train", rows, graphdef, params,
+                                       m.features_batch_size, m.train.progress,
+                                       packed(train_data))
+    heldout_features, _ = cached_features(store, "test", heldout_rows, graphdef, params,
+                                          m.features_batch_size, m.train.progress,
+                                          packed(heldout))
+    timing["features_s"] = time.perf_counter() - t0
+    timing["features_from"] = source
+  return max_targets, rows, heldout_rows, features, heldout_features
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) the MTP stage; returns its summary."""
   done = read_summary(workdir)
@@ -611,6 +664,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   graphdef0, sft_params = checkpoint_lib.restore_policy(config, source, stage="sft")
   store = drafter_store(config, workdir)
   t0 = time.perf_counter()
+  if multihost.process_count() > 1:
+    # Process 0 samples the drafter dataset and stores its trunk features; then every
+    # process (process 0 too) reads both from the store: all hold the same data.
+    if multihost.is_primary():
+      data = [drafter_dataset(config, graphdef0, sft_params, store, split, per_task)
+              for split, per_task in (("train", _per_task(config, m.data.num_prompts)),
+                                      ("test", heldout_tasks(config)))]
+      _packed_data(config, store, *data, graphdef0, sft_params, seq_len, {})
+    multihost.barrier("drafter_data")
   train_data = drafter_dataset(config, graphdef0, sft_params, store, "train",
                                _per_task(config, m.data.num_prompts))
   heldout = drafter_dataset(config, graphdef0, sft_params, store, "test",
@@ -621,12 +683,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   counts = draft_vocab_lib.count_tokens([t for t, _ in train_data["sequences"]],
                                         [mk for _, mk in train_data["sequences"]],
                                         model_cfg.vocab_size)
-  _write_draft_counts(workdir, counts)
+  if multihost.is_primary():
+    _write_draft_counts(workdir, counts)
   vocab, vocab_info = None, {"size": 0}
   if m.draft_vocab:
     tok = get_tokenizer()
     vocab = draft_vocab_lib.top_tokens(counts, m.draft_vocab, (tok.eos_id, tok.call_end_id))
-    np.save(_stored_vocabulary_path(workdir), vocab)
+    if multihost.is_primary():
+      np.save(_stored_vocabulary_path(workdir), vocab)
     heldout_counts = draft_vocab_lib.count_tokens(
         [t for t, _ in heldout["sequences"]], [mk for _, mk in heldout["sequences"]],
         model_cfg.vocab_size)
@@ -637,25 +701,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           f"{vocab_info['coverage_train']:.2%} of the training rollouts' policy tokens and "
           f"{vocab_info['coverage_heldout']:.2%} of the held-out ones")
   fused = m.head == "fused"
-  max_targets = None
-  if fused:  # the head runs at the loss rows only: at most this many per packed row
-    max_targets = -(-max(int(np.sum(mk[1:seq_len] > 0)) for _, mk in
-                         train_data["sequences"] + heldout["sequences"]) // 8) * 8
-  rows = pack_rows(train_data["sequences"], seq_len, max_targets)
-  heldout_rows = pack_rows(heldout["sequences"], seq_len, max_targets)
-  features = heldout_features = None
-  if m.features == "cached":
-    t0 = time.perf_counter()
-    packed = lambda data: (None if data.get("hidden") is None else pack_hidden(
-        data["hidden"], data["sequences"], seq_len, max_targets))
-    features, source = cached_features(store, "train", rows, graphdef0, sft_params,
-                                       m.features_batch_size, m.train.progress,
-                                       packed(train_data))
-    heldout_features, _ = cached_features(store, "test", heldout_rows, graphdef0, sft_params,
-                                          m.features_batch_size, m.train.progress,
-                                          packed(heldout))
-    timing["features_s"] = time.perf_counter() - t0
-    timing["features_from"] = source
+  max_targets, rows, heldout_rows, features, heldout_features = _packed_data(
+      config, store, train_data, heldout, graphdef0, sft_params, seq_len, timing)
   targets = int(rows["loss_mask"].sum())
   print(f"[mtp] drafter dataset: {len(train_data['sequences'])} rollouts "
         f"({train_data['policy_tokens']} policy tokens, rewards {train_data['reward']}"
@@ -683,29 +730,37 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   before_path = os.path.join(stage_dir(workdir), "before.json")
   before = None
   if m.eval_before:
-    if os.path.exists(before_path):
-      with open(before_path) as f:
-        before = json.load(f)
-    else:
+    def initial() -> tuple[dict[str, Any], float | None]:
+      if os.path.exists(before_path):
+        with open(before_path) as f:
+          return json.load(f), None
       t0 = time.perf_counter()
-      before = evaluate_drafter(config, graphdef0, params, heldout["sequences"], examples,
+      result = evaluate_drafter(config, graphdef0, params, heldout["sequences"], examples,
                                 task_objs, online=m.eval_before_online, draft_vocab=vocab)
-      timing["eval_before_s"] = time.perf_counter() - t0
-      metrics_lib.write_json_atomic(before_path, before)
+      metrics_lib.write_json_atomic(before_path, result)
+      return result, time.perf_counter() - t0
+
+    # With several processes, process 0 evaluates and tells the others.
+    before, seconds = multihost.on_primary(initial, "mtp_before")
+    if seconds is not None:
+      timing["eval_before_s"] = seconds
     print(f"[mtp] initial drafter ({m.init}): {_describe(before)}")
 
   num_steps = m.train.num_steps
   tx, schedule = optimizer_lib.make_optimizer(m.optim, num_steps)
   state = trainer.place_state(
       trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
-  dataset = train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed, features)
-  data_iter = iter(dataset)
+  # This process's shards of every batch (rows of the same global batches for any number).
+  shards, local = multihost.data_shards(config.data.shards)
+  datasets = [train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed, features,
+                            shard=(s, shards)) for s in local]
+  data_iter = pipeline.process_iterator(datasets)
   checkpointer = checkpoint_lib.Checkpointer(
       checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=m.train.keep_checkpoints)
   state, latest = trainer.resume(checkpointer, state, data_iter)
   if latest is not None:
     print(f"[mtp] resumed from step {latest}")
-  example_batch = next(iter(dataset))
+  example_batch = multihost.global_example(next(pipeline.process_iterator(datasets)))
   batch_sh = trainer.batch_shardings(example_batch, mesh, rules)
   flops = flops_lib.train_flops_per_step(
       model_cfg, m.batch_size, seq_len, model_cfg.num_draft_steps, trainable_main=False)
@@ -743,13 +798,19 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if not summary["complete"]:
     print(f"[mtp] stopped at step {summary['steps']} of {num_steps}; rerun to resume")
     return summary
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params = jax.device_put(nnx.merge_state(state.trainable, state.frozen), device)
+  device = jax.sharding.SingleDeviceSharding(multihost.local_device())
+  params = jax.device_put(multihost.to_local(nnx.merge_state(state.trainable, state.frozen)),
+                          device)
   t0 = time.perf_counter()
-  after = evaluate_drafter(config, graphdef, params, heldout["sequences"], examples, task_objs,
-                           online=m.eval_online, draft_vocab=vocab)
-  if track is not None:
-    after["heldout"] = track(params)
+
+  def final() -> dict[str, Any]:
+    result = evaluate_drafter(config, graphdef, params, heldout["sequences"], examples,
+                              task_objs, online=m.eval_online, draft_vocab=vocab)
+    if track is not None:
+      result["heldout"] = track(params)
+    return result
+
+  after = multihost.on_primary(final, "mtp_after")  # process 0 evaluates, tells the others
   timing["eval_s"] = time.perf_counter() - t0
   timing["total_s"] = time.perf_counter() - stage_start
   summary.update(loss=m.loss, schedule=[list(p) for p in _phases(config)], init=m.init,

@@ -23,6 +23,7 @@ from absl import logging
 from flax import nnx
 
 from bebop_jax import evaluation
+from bebop_jax import multihost
 from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
@@ -56,13 +57,20 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
   examples = {n: pipeline.eval_examples(d, n, e.num_examples) for n in names}
 
   def eval_fn(state: trainer.TrainState) -> dict[str, float]:
-    params = nnx.merge_state(state.trainable, state.frozen)
-    engines = {t: rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
-        config, engine="autoregressive", temperature=t)) for t in e.temperatures}
-    start = time.perf_counter()
-    results = evaluation.evaluate_tasks(engines, examples, seed=config.seed)
-    results["pass_at_1_mean"] = sum(results.values()) / max(len(results), 1)
-    results["eval_s"] = time.perf_counter() - start
+    # With several processes, process 0 evaluates on its own device and tells the others.
+    params = multihost.to_local(nnx.merge_state(state.trainable, state.frozen))
+
+    def evaluate() -> dict[str, float]:
+      engines = {t: rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+          config, engine="autoregressive", temperature=t)) for t in e.temperatures}
+      start = time.perf_counter()
+      with multihost.local_context():
+        results = evaluation.evaluate_tasks(engines, examples, seed=config.seed)
+      results["pass_at_1_mean"] = sum(results.values()) / max(len(results), 1)
+      results["eval_s"] = time.perf_counter() - start
+      return results
+
+    results = multihost.on_primary(evaluate, "sft_eval")
     logging.info("eval: %s", results)
     return results
 
@@ -128,9 +136,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   state = trainer.place_state(
       trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
 
-  dataset = pipeline.sft_dataset(d, batch_size=d.batch_size, seq_len=d.seq_len,
-                                 packing=d.packing, seed=config.seed)
-  data_iter = iter(dataset)
+  # This process's shards of the stream: its rows of every global batch.
+  shards, local = multihost.data_shards(d.shards)
+  datasets = [pipeline.sft_dataset(d, batch_size=d.batch_size, seq_len=d.seq_len,
+                                   packing=d.packing, seed=config.seed, shard=(s, shards))
+              for s in local]
+  data_iter = pipeline.process_iterator(datasets)
   checkpointer = checkpoint_lib.Checkpointer(
       checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=s.train.keep_checkpoints,
       best_metric="pass_at_1_mean")
@@ -141,7 +152,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   k_steps = mtp_depths(config)
   step_fn = trainer.make_train_step(graphdef, make_loss_fn(config), tx, schedule,
                                     s.train.grad_accum_steps)
-  example_batch = next(iter(dataset))
+  example_batch = multihost.global_example(next(pipeline.process_iterator(datasets)))
   compiled = trainer.compile_train_step(step_fn, state, example_batch, mesh, rules, tx)
   print(f"[sft] train step compiled in {compiled.compile_seconds:.1f}s; memory: "
         f"{compiled.memory}")
@@ -166,8 +177,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     with sharding.use_mesh(mesh, rules):
       summary["eval"] = make_eval_fn(config, graphdef)(state)
   summary["num_params"] = policy_lib.num_params(nnx.state(model))
-  summary["entropy"] = policy_entropy(config, graphdef,
-                                      nnx.merge_state(state.trainable, state.frozen))
+  params = multihost.to_local(nnx.merge_state(state.trainable, state.frozen))
+  summary["entropy"] = multihost.on_primary(lambda: policy_entropy(config, graphdef, params),
+                                            "sft_entropy")
   metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
   print(f"[sft] done: {json.dumps(summary['eval'], sort_keys=True)}")
   print("[sft] policy entropy at T=1 on held-out rollouts: " + ", ".join(

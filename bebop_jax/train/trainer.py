@@ -22,6 +22,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from bebop_jax import multihost
 from bebop_jax import sharding
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import flops as flops_lib
@@ -151,12 +152,12 @@ def place_state(state: TrainState, mesh: Mesh, rules, tx) -> TrainState:
   """Puts every array of `state` on the mesh with its sharding."""
   train_sh = sharding.state_shardings(state.trainable, mesh, rules)
   frozen_sh = sharding.state_shardings(state.frozen, mesh, rules)
-  put = lambda tree, sh: jax.tree.map(jax.device_put, tree, sh)
+  put = lambda tree, sh: jax.tree.map(multihost.put, tree, sh)
   return TrainState(
       trainable=put(state.trainable, train_sh), frozen=put(state.frozen, frozen_sh),
       opt_state=put(state.opt_state, opt_state_shardings(tx, state.opt_state, train_sh, mesh)),
-      step=jax.device_put(jnp.asarray(state.step, jnp.int32),
-                          NamedSharding(mesh, PartitionSpec())))
+      step=multihost.put(jnp.asarray(state.step, jnp.int32),
+                         NamedSharding(mesh, PartitionSpec())))
 
 
 def resume(checkpointer, state: TrainState, data_iterator=None
@@ -210,8 +211,8 @@ def train_loop(*, stage: str, workdir: str, state: TrainState, compiled: Compile
   try:
     while step < end:
       batch = next(batches)
-      if batch_sh is not None:
-        batch = {k: jax.device_put(v, batch_sh[k]) for k, v in batch.items()}
+      if batch_sh is not None:  # this process's rows of the global batch
+        batch = multihost.put_batch(batch, batch_sh)
       trainable, opt_state, step_arr, metrics = compiled.fn(
           state.trainable, state.frozen, state.opt_state, state.step, batch)
       state = TrainState(trainable, state.frozen, opt_state, step_arr)
