@@ -228,29 +228,59 @@ def _pass_at_1_rows(rl: dict) -> list[str]:
   return lines
 
 
+def drafter_block(mtp: dict) -> list[str]:
+  """The MTP stage's drafter on held-out prompts of the policy it was trained for: online
+  acceptance per depth (rejection sampling, reach-weighted: a depth's drafts counted when
+  verified) with its draft events and Wilson 95% interval, and the teacher-forced rates
+  (reach-weighted and unweighted) over the held-out rollouts."""
+  schedule = " then ".join(f"{loss} to step {end}" for loss, end in mtp["schedule"])
+  vocab = mtp.get("draft_vocab") or {}
+  head = (f"a reduced vocabulary of {vocab['size']} tokens, which covers "
+          f"{vocab['coverage_heldout']:.2%} of the held-out policy tokens"
+          if vocab.get("size") else "the whole vocabulary")
+  online, tf = mtp["online"]["rejection"], mtp["teacher_forced"]["rejection"]
+  lines = [f"Its drafter (one MTP module, K = 3 drafts; {schedule}; drafting from {head}), "
+           "on held-out prompts of the SFT policy (the MTP stage's evaluation, T = 1). Online "
+           "acceptance counts a depth's drafts when they are verified, so it is the "
+           "reach-weighted rate; the teacher-forced columns score every held-out position "
+           "(the reach-weighted rate weights each by the chance of drafting that deep):", "",
+           "| depth | online acceptance, rejection sampling [Wilson 95%] | drafts verified | "
+           "teacher-forced, reach-weighted | teacher-forced, unweighted | positions |",
+           "|---|---|---|---|---|---|"]
+  for k, (a, n, (lo, hi)) in enumerate(zip(online["acceptance"], online["attempted"],
+                                          online["interval"]), 1):
+    lines.append(f"| {k} | {a:.3f} [{lo:.3f}, {hi:.3f}] | {n} | {tf['alpha'][k - 1]:.3f} | "
+                 f"{tf['alpha_unweighted'][k - 1]:.3f} | {int(tf['positions'][k - 1])} |")
+  tpf = ", ".join(f"{mode} {ev['tokens_per_target_forward']:.2f}"
+                  for mode, ev in mtp["online"].items())
+  return lines + ["", f"Tokens per target forward (at most 4): {tpf}."]
+
+
 def real_policy_block(s: dict, bench: dict | None) -> str:
   """The real policy: pass@1 before and after RL, its drafter, and wall clock by batch and
   temperature (speculative with rejection sampling against autoregressive decoding)."""
   rl = s["rl"]
-  lines = _pass_at_1_rows(rl)
+  lines = _pass_at_1_rows(rl) + [""] + drafter_block(s["mtp"])
   tpf = rl["tokens_per_target_forward_before"]["rejection"]
   tpf_after = rl["tokens_per_target_forward_after"]["rejection"]
-  lines += ["", f"Its e2e-TV drafter (K = 3) earns {tpf:.2f} tokens per target forward before "
-            f"RL and {tpf_after:.2f} after (rejection sampling, at most 4). The job took "
-            f"{s['timing']['total_s'] / 60:.1f} minutes on two CPU cores (`{SMOLLM2_COMMAND}`, "
-            "summary.json `timing`; every stage's time is in docs/main_job.md). Speculative "
+  lines += ["", f"Through RL (the drafter frozen) it earns {tpf:.2f} tokens per target forward "
+            f"before RL and {tpf_after:.2f} after (the RL stage's held-out evaluations, "
+            f"rejection sampling; `{SMOLLM2_COMMAND}`, its stages' times in docs/main_job.md). "
+            "Speculative "
             "(rejection sampling) against autoregressive decoding, one process: " + (
                 "the SFT policy with its trained drafter (the MTP stage's checkpoint), "
                 f"`{SMOLLM2_BENCH_COMMAND}`:" if bench else
-                "the job's eval stage, on the SFT policy with its trained drafter (summary.json "
-                "`decode.benchmark`):"), "",
-            "| batch | T | wall clock spec. / AR | tokens per target forward | acceptance "
-            "per depth |", "|---|---|---|---|---|"]
+                "the job's eval stage, on the RL stage's final policy with its drafter, one "
+                "timed pass per arm (summary.json `decode.benchmark`; too few tokens to resolve "
+                "a few percent):"), "",
+            "| batch | T | prompts | tokens per arm | wall clock spec. / AR | tokens per "
+            "target forward | acceptance per depth |", "|---|---|---|---|---|---|---|"]
   for r in (bench or s["decode"])["results" if bench else "benchmark"]:
     if r["mode"] != "rejection":
       continue
     acc = ", ".join(f"{a:.2f}" for a in r["acceptance_online"])
-    lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['speedup']:.2f}x | "
+    lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['prompts']} | "
+                 f"{r['spec_tokens']} | {r['speedup']:.2f}x | "
                  f"{r['tokens_per_target_forward']:.2f} | {acc} |")
   return "\n".join(lines)
 
