@@ -114,7 +114,7 @@ def check_shards(config: ml_collections.ConfigDict) -> int:
   """The number of data shards of this run (multihost.data_shards: data.shards, 0 = one per
   process); a ConfigError when a batch does not split into them."""
   try:
-    shards, _ = multihost.data_shards(config.data.shards)
+    shards, local = multihost.data_shards(config.data.shards)
   except multihost.DistributedError as e:
     raise config_lib.ConfigError(str(e)) from e
   for key, value in (("data.batch_size", config.data.batch_size),
@@ -124,6 +124,9 @@ def check_shards(config: ml_collections.ConfigDict) -> int:
       raise config_lib.ConfigError(
           f"config.{key}={value} does not split into {shards} data shards (data.shards="
           f"{config.data.shards}, {multihost.process_count()} processes): use a multiple")
+  if shards > 1:
+    print(f"[data] process {multihost.process_index()} of {multihost.process_count()} reads "
+          f"data shards {', '.join(map(str, local))} of {shards}")
   return shards
 
 

@@ -137,6 +137,9 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path):
                     *_two_processes(two, tmp_path / "data2",
                                     "--config.rl.train.stop_at_step=1"))
   _check_ok(results)
+  assert "[data] process 0 of 1 reads data shards 0, 1 of 2" in results[0][1]
+  assert "[data] process 0 of 2 reads data shards 0 of 2" in results[1][1]
+  assert "[data] process 1 of 2 reads data shards 1 of 2" in results[2][1]
   assert "[rl] stopped at step 1 of 2" in results[1][1]
   rerun = _launch(*_two_processes(two, tmp_path / "data2"))
   _check_ok(rerun)
@@ -164,20 +167,26 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path):
 
 
 def test_start_up_errors_stop_every_process_with_a_message(tmp_path):
-  # Two processes given different configs, and a process whose coordinator never comes.
-  port = _free_port()
-  lonely = _main(tmp_path / "w2", tmp_path / "data", f"--coordinator=127.0.0.1:{port}",
-                 "--num_processes=2", "--process_id=1", "--distributed_timeout=2")
-  *mismatch, (code, text) = _launch(
-      *_two_processes(tmp_path / "w1", tmp_path / "data", "--config.stages=('data',)",
-                      per_process=((), ("--config.seed=1",))), (lonely, 1))
-  for code_i, text_i in mismatch:
-    assert code_i == 2, text_i[-3000:]
-    assert "were started with different configs" in text_i, text_i[-3000:]
-    assert "seed: process 0 0, process 1 1" in text_i, text_i[-3000:]
-  assert code == 2, text[-3000:]
-  assert f"no coordinator answered at 127.0.0.1:{port} within 2 s" in text
-  assert "--process_id=0" in text
+  # Two processes given different configs; a process whose coordinator never comes; a
+  # coordinator (process 0) whose other process never comes.
+  ports = [_free_port() for _ in range(2)]
+  alone = [_main(tmp_path / f"w{i}", tmp_path / "data", f"--coordinator=127.0.0.1:{ports[i]}",
+                 "--num_processes=2", f"--process_id={i}", "--distributed_timeout=2")
+           for i in (0, 1)]
+  *mismatch, (code0, text0), (code1, text1) = _launch(
+      *_two_processes(tmp_path / "w", tmp_path / "data", "--config.stages=('data',)",
+                      per_process=((), ("--config.seed=1",))), (alone[0], 1), (alone[1], 1))
+  for code, text in mismatch:
+    assert code == 2, text[-3000:]
+    assert "were started with different configs" in text, text[-3000:]
+    assert "seed: process 0 0, process 1 1" in text, text[-3000:]
+  assert code1 == 2, text1[-3000:]
+  assert f"process 1 of 2: no coordinator answered at 127.0.0.1:{ports[1]} within 2 s" in text1
+  assert "--process_id=0" in text1
+  assert code0 == 2, text0[-3000:]
+  assert (f"process 0 of 2: the run did not start within 2 s: the coordinator is at "
+          f"127.0.0.1:{ports[0]}") in text0, text0[-3000:]
+  assert "did not all connect" in text0
 
 
 # ----------------------------------------------------------------------------- the pieces
