@@ -96,7 +96,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   """`jax.distributed.initialize` with CPU collectives over gloo and a bounded wait.
 
   With `coordinator`, `num_processes` and `process_id` all None, JAX finds them (a TPU pod
-  slice, SLURM, or JAX_COORDINATOR_ADDRESS and friends); otherwise all three are needed.
+  slice, SLURM, or JAX_COORDINATOR_ADDRESS and friends) and nothing else changes; otherwise
+  all three are needed.
   Process 0 hosts the coordinator at `coordinator` (HOST:PORT); the others connect to it.
 
   Raises:
@@ -105,12 +106,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
       processes do not all connect within `timeout_s`, the process prints what to check
       and exits with status 2 (JAX's own timeout would abort it).
   """
-  # Before any backend starts: CPU devices of different processes talk over gloo.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   given = (coordinator, num_processes, process_id)
   if all(x is None for x in given):
     jax.distributed.initialize()  # the cluster says who is who (TPU pods, SLURM, ...)
+    logging.info("jax.distributed: process %d of %d", jax.process_index(),
+                 jax.process_count())
     return
+  # Before any backend starts: CPU devices of different processes talk over gloo.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if any(x is None for x in given):
     raise DistributedError(
         "a run over several processes needs --coordinator=HOST:PORT, --num_processes=N and "
