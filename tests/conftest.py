@@ -38,8 +38,9 @@ from bebop_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-impor
 
 # The longest files first: with two workers taking one file at a time, a long file picked
 # up last would run alone at the end.
-LONGEST_FIRST = ("test_rl.py", "test_reproduce.py", "test_main_job.py", "test_rl_aot.py",
-                 "test_hf_pipeline.py", "test_speculative.py", "test_bench_device.py",
+LONGEST_FIRST = ("test_rl.py", "test_reproduce.py", "test_main_job.py", "test_multiprocess.py",
+                 "test_rl_aot.py", "test_hf_pipeline.py", "test_speculative.py",
+                 "test_bench_device.py",
                  "test_sweep_cli.py", "test_sharding.py", "test_sft.py", "test_multi_turn.py",
                  "test_rollout.py", "test_episode_benchmark.py")
 
