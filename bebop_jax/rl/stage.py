@@ -375,8 +375,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if str(num_steps) not in evals:
     evals[str(num_steps)] = held_out()
     metrics_lib.write_json_atomic(evals_path, evals)
-  summary = _summary(config, workdir, evals, num_steps, source,
-                     time.perf_counter() - stage_start, learn.compile_seconds)
+  seconds = time.perf_counter() - stage_start
+  # From metrics.jsonl, which process 0 writes: it reads it and tells the others.
+  summary = multihost.on_primary(lambda: _summary(config, workdir, evals, num_steps, source,
+                                                  seconds, learn.compile_seconds),
+                                 "rl_summary")
   metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
   print(f"[rl] done: {_describe_eval(evals[str(num_steps)])}")
   print(f"[rl] {_describe_timing(summary)}")
