@@ -5,13 +5,12 @@ Every process runs the same program over the global mesh of all processes' devic
 each process does on its own:
   - reads its share of the training data: the SFT and RL streams come in `data.shards`
     shards (0: one per process), each a grain pipeline over its slice of the datasets, and a
-    process reads only the shards whose rows its devices hold (`local_shards`); its rows
+    process reads only the shards whose rows its devices hold (`data_shards`); its rows
     become part of a global batch with `jax.make_array_from_process_local_data` (`put_batch`);
   - samples its shards' RL rollouts on its first local device (`local_device`), and learns
     the other processes' rollouts through the coordinator (`gather_objects`).
 Evaluations run in process 0 on its first device; the others receive the results
-(`on_primary`).
-Files other than checkpoints are written by process 0 (`is_primary`); checkpoints are
+(`on_primary`). Files other than checkpoints are written by process 0 (`is_primary`); checkpoints are
 written by every process (orbax: each its shards, process 0 the metadata; grain: each its
 iterator's position). With one process every function here is the identity or a no-op, so a
 one-process run is unchanged.
@@ -431,10 +430,5 @@ def replicated_global(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return tree
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-  def one(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return x
-    value = np.asarray(x)
-    return jax.make_array_from_callback(value.shape, replicated, lambda index: value[index])
-
-  return jax.tree.map(one, tree)
+  return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable
+                      else put(x, replicated), tree)
