@@ -143,6 +143,12 @@ def block_residual_probs(w: jax.Array, draft_probs: jax.Array, target_probs: jax
   return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, p)
 
 
+def bonus_probs(target_probs: jax.Array) -> jax.Array:
+  """[B, 1, V] the distribution of the token after all K drafts are accepted: the target's
+  at the position after the last draft, p_{K+1} (the last of `target_probs` [B, K+1, V])."""
+  return target_probs[:, -1:]
+
+
 def _row_keys(rng: jax.Array, b: int) -> jax.Array:
   """B typed keys from one key or B keys, typed or legacy uint32."""
   if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
@@ -200,7 +206,7 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
     else:
       num_accepted, residuals = tau, block_res
   # Row a of [residuals..., bonus] is the distribution of the token after a accepted drafts.
-  bonus = target_probs[:, k:]
+  bonus = bonus_probs(target_probs)
   if isinstance(mode, str) and mode == "exact":
     bonus = jax.nn.one_hot(jnp.argmax(bonus, -1), bonus.shape[-1], dtype=bonus.dtype)
   after = jnp.concatenate([residuals, bonus], axis=1)
