@@ -1,5 +1,6 @@
 """Speculative generation with MTP drafts on the tiny model."""
 
+import contextlib
 import functools
 import os
 import time
@@ -12,6 +13,7 @@ import pytest
 from flax import nnx
 
 from bebop_jax.decoding import autoregressive, sampling, speculative
+from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 
@@ -278,40 +280,226 @@ def test_release_compiled_unmaps_the_generated_code():
 # writes most (its cyclic tokens are 3..9): q is 0 there, the verification covers them.
 _DRAFT_VOCAB = np.array([0, 1, 2, 3, 4, 5, 6, 9, 10, 11], np.int32)
 
+# ------------------------------------------------------- exactness over whole sequences
+# Every sampler must emit the autoregressive law over whole sequences, not only over its
+# first tokens: the first token comes from the prefill, and the first bonus token of K = 3
+# sits at position 5. One prompt, LAW_ROWS rows, the first LAW_TOKENS tokens (no stop
+# token, so every row has them all), against autoregressive sampling of the same policy: a
+# two-sample chi-square test of the marginal at every position 1..LAW_TOKENS and of every
+# consecutive pair, with Holm's correction over those 23 tests at a family-wise level of
+# LAW_ALPHA (fixed before any result was seen). Each sampler's test also runs the same check
+# on two deliberately broken verifications, which must fail it at positions beyond 3: a
+# rejected draft resampled from p instead of the residual norm(max(p - q, 0)) (block: of
+# max(w p - q, 0)), and the bonus token drawn from the last draft's distribution p_K
+# instead of p_{K+1}. The intact and the broken runs of a sampler share one compiled
+# program: which verification is broken, if any, is an argument of the program
+# (`_SwitchableProgram`).
 
-@pytest.mark.parametrize("mode,draft_vocab", [("block", False), ("rejection", False),
-                                              ("rejection", True), ("block", True)])
-def test_the_jitted_loop_samples_the_autoregressive_law(partly_trained, mode, draft_vocab):
-  """The first three tokens after one prompt, 4096 rows each: speculative decoding (drafts
-  partly right, so blocks end at every depth; with a reduced draft vocabulary, drafts that
-  can never propose two frequent tokens) against autoregressive sampling of the same
-  policy, a two-sample chi-square test over the cells both visit often."""
-  from scipy import stats  # pylint: disable=g-import-not-at-top
+LAW_ROWS = 3072
+LAW_TOKENS = 12
+LAW_ALPHA = 1e-3
+_LAW_PROMPT = (3, 4, 5, 6)
+_LAW_SAMPLERS = {  # id: (fixed K = 3, or adaptive with K forced to switch; mode; reduced vocab)
+    "rejection": ("fixed", "rejection", False),
+    "block": ("fixed", "block", False),
+    "rejection-reduced-vocab": ("fixed", "rejection", True),
+    "block-reduced-vocab": ("fixed", "block", True),
+    "adaptive-rejection": ("adaptive", "rejection", False),
+    "adaptive-block": ("adaptive", "block", False),
+}
+_FORCED_K = (1, 0, 3)  # K of segment i mod 3: 1 -> 0 (autoregressive steps) -> 3 -> 1 ...
+_LAW_CACHE = 24  # the prompt, LAW_TOKENS and K + 1 positions of lookahead fit
+_BREAKS = (None, "residual", "bonus")  # what `_verification` breaks (None: nothing)
+
+
+def _law_prompts():
+  return (jnp.asarray(np.tile(np.array(_LAW_PROMPT, np.int32), (LAW_ROWS, 1))),
+          jnp.full((LAW_ROWS,), len(_LAW_PROMPT), jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def autoregressive_law(partly_trained):
+  """[LAW_ROWS, LAW_TOKENS] autoregressive samples of the partly trained policy: every
+  sampler's reference."""
   graphdef, params_state = partly_trained
-  b, n = 4096, 3
-  tokens = jnp.tile(jnp.asarray([[3, 4, 5, 6, 0, 0, 0, 0]], jnp.int32), (b, 1))
-  lengths = jnp.full((b,), 4, jnp.int32)
-  params = sampling.SamplingParams(1.0)
-  spec = speculative.generate(graphdef, params_state, tokens, lengths, jax.random.key(1),
-                              max_new_tokens=8, cache_length=32, params=params, mode=mode,
-                              stop_tokens=(),
-                              draft_vocab=jnp.asarray(_DRAFT_VOCAB) if draft_vocab else None)
-  ar = autoregressive.generate(graphdef, params_state, tokens, lengths, jax.random.key(2),
-                               max_new_tokens=8, cache_length=32, params=params,
-                               stop_tokens=())
-  acc = np.asarray(spec.accepted).sum(0) / np.maximum(np.asarray(spec.attempted).sum(0), 1)
-  assert (0.1 < acc).all() and (acc < 0.95).all(), acc  # blocks end at every depth
-  cells = lambda t: [tuple(r) for r in np.asarray(t)[:, :n]]
-  a, c = cells(spec.tokens), cells(ar.tokens)
-  keys = sorted(set(a) | set(c))
-  ca = np.array([a.count(k) for k in keys])
-  cc = np.array([c.count(k) for k in keys])
-  common = (ca + cc) >= 20
-  table = np.stack([np.append(ca[common], ca[~common].sum()),
-                    np.append(cc[common], cc[~common].sum())])
-  table = table[:, table.sum(0) > 0]
-  _, pvalue, _, _ = stats.chi2_contingency(table)
-  assert pvalue > 1e-3, (mode, pvalue)
+  tokens, lengths = _law_prompts()
+  out = autoregressive.generate(graphdef, params_state, tokens, lengths, jax.random.key(2),
+                                max_new_tokens=LAW_TOKENS, cache_length=_LAW_CACHE,
+                                params=sampling.SamplingParams(1.0), stop_tokens=())
+  return np.asarray(out.tokens)
+
+
+def _law_pvalues(sample: np.ndarray, reference: np.ndarray) -> dict[tuple[int, ...], float]:
+  """{positions: p-value} of two-sample chi-square tests (homogeneity of a 2 x cells table)
+  of the token at every position 1..L and of every consecutive pair of positions, between
+  two [rows, L] samples. Cells seen fewer than 20 times in both samples together are pooled
+  into one, itself left out when it is that small too, so that every expected count is
+  at least ~10 (a test on the cells kept: equal laws give equal laws on them)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  vocab = int(max(sample.max(), reference.max())) + 1
+
+  def pvalue(a, c):
+    cells, index = np.unique(np.concatenate([a, c]), return_inverse=True)
+    counts = np.stack([np.bincount(index[:len(a)], minlength=len(cells)),
+                       np.bincount(index[len(a):], minlength=len(cells))])
+    common = counts.sum(0) >= 20
+    table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], 1)
+    table = table[:, table.sum(0) >= 20]
+    return float(stats.chi2_contingency(table)[1]) if table.shape[1] > 1 else 1.0
+
+  length = sample.shape[1]
+  tests = {(i + 1,): pvalue(sample[:, i], reference[:, i]) for i in range(length)}
+  for i in range(length - 1):
+    tests[(i + 1, i + 2)] = pvalue(sample[:, i] * vocab + sample[:, i + 1],
+                                   reference[:, i] * vocab + reference[:, i + 1])
+  return tests
+
+
+def _holm(pvalues: dict, alpha: float) -> list:
+  """The tests Holm's step-down procedure rejects at family-wise level `alpha`, most
+  significant first."""
+  ranked = sorted(pvalues, key=pvalues.get)
+  rejected = []
+  for i, name in enumerate(ranked):
+    if pvalues[name] > alpha / (len(ranked) - i):
+      break
+    rejected.append(name)
+  return rejected
+
+
+_SWITCH = {}  # "broken": what the programs break now (host); "traced": its index, traced
+
+
+class _SwitchableProgram(speculative._ModeArgument):  # pylint: disable=protected-access
+  """The decoding function of one of the library's programs (speculative.generate or
+  segment) as a program of its own, traced afresh under `_verification`'s patches (the
+  library's compiled programs are left alone): the library's code, with which verification
+  helper is broken, if any, an argument of the program, not of its compilation. It rides on
+  the mode index (index + len(SAMPLED_MODES) * _BREAKS.index(broken)), which the program
+  splits again before the decoding function sees it, so one compiled program serves the
+  intact run and both broken ones. (Intact, it computes what the library's program does:
+  for every sampler below, their tokens were equal bit for bit.)"""
+
+  def __init__(self, library_program, **jit_kwargs):
+    fn = library_program._jitted.__wrapped__  # pylint: disable=protected-access
+    modes = len(verify_lib.SAMPLED_MODES)
+
+    @functools.wraps(fn)
+    def traced_afresh(*args, mode_index, **kwargs):
+      _SWITCH["traced"] = mode_index // modes
+      try:
+        return fn(*args, mode_index=mode_index % modes, **kwargs)
+      finally:
+        del _SWITCH["traced"]
+    super().__init__(jax.jit(traced_afresh, **jit_kwargs))
+
+  @staticmethod
+  def _translate(kwargs):
+    kwargs = speculative._ModeArgument._translate(kwargs)  # pylint: disable=protected-access
+    return dict(kwargs, mode_index=np.int32(
+        kwargs["mode_index"] + len(verify_lib.SAMPLED_MODES) * _BREAKS.index(_SWITCH["broken"])))
+
+
+@pytest.fixture(scope="module")
+def law_programs():
+  """`speculative.generate` and `speculative.segment` as `_SwitchableProgram`s (the library's
+  static arguments), shared by every sampler of the module."""
+  return dict(generate=_SwitchableProgram(
+                  speculative.generate,
+                  static_argnames=speculative._FIRST_STATIC),  # pylint: disable=protected-access
+              segment=_SwitchableProgram(
+                  speculative.segment,
+                  static_argnames=("graphdef", "params", "program", "k", "catch_up_chunk"),
+                  donate_argnames=("decode_state",)))
+
+
+@contextlib.contextmanager
+def _verification(programs, broken: str | None):
+  """Decoding through `programs`, with the verification intact (broken=None) or with one part
+  broken: "residual", a rejected draft resampled from p instead of the residual
+  (verification.residual_probs, and block_residual_probs for block), or "bonus", the token
+  after K accepted drafts drawn from p_K, the distribution that scored the last draft,
+  instead of p_{K+1} (verification.bonus_probs). Each patched helper returns the library
+  helper's own result unless its part is the one broken."""
+  residual, block_residual, bonus = (verify_lib.residual_probs, verify_lib.block_residual_probs,
+                                     verify_lib.bonus_probs)
+  now = lambda part: _SWITCH["traced"] == _BREAKS.index(part)  # traced
+
+  def residual_or_p(draft_tokens, draft_probs, target_probs, mode):
+    k = draft_tokens.shape[1]
+    return jnp.where(now("residual"), target_probs[:, :k],
+                     residual(draft_tokens, draft_probs, target_probs, mode))
+
+  def block_residual_or_p(w, draft_probs, target_probs):
+    k = draft_probs.shape[1]
+    return jnp.where(now("residual"), target_probs[:, :k],
+                     block_residual(w, draft_probs, target_probs))
+
+  def bonus_or_the_last_drafts(target_probs):
+    return jnp.where(now("bonus"), target_probs[:, -2:-1], bonus(target_probs))
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(verify_lib, "residual_probs", residual_or_p)
+    patch.setattr(verify_lib, "block_residual_probs", block_residual_or_p)
+    patch.setattr(verify_lib, "bonus_probs", bonus_or_the_last_drafts)
+    patch.setattr(speculative, "generate", programs["generate"])
+    patch.setattr(speculative, "segment", programs["segment"])
+    patch.setitem(_SWITCH, "broken", broken)
+    yield
+
+
+def _law_sample(policy, programs, sampler: str, broken: str | None = None):
+  """(tokens [LAW_ROWS, LAW_TOKENS], per-depth acceptance [3]) of one sampler, its
+  verification intact or `broken` (`_verification`)."""
+  kind, mode, draft_vocab = _LAW_SAMPLERS[sampler]
+  graphdef, params_state = policy
+  tokens, lengths = _law_prompts()
+  common = dict(max_new_tokens=LAW_TOKENS, cache_length=_LAW_CACHE,
+                params=sampling.SamplingParams(1.0), mode=mode, stop_tokens=())
+  with _verification(programs, broken):
+    if kind == "adaptive":
+      from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+      out, st = adaptive.generate(
+          graphdef, params_state, tokens, lengths, jax.random.key(1),
+          schedule=lambda i: _FORCED_K[i % len(_FORCED_K)],
+          settings=adaptive.Settings(k_max=3, segment=1, compact=False), **common)
+      assert set(st.k_iterations) == set(_FORCED_K), st.k_iterations
+    else:
+      out = speculative.generate(
+          graphdef, params_state, tokens, lengths, jax.random.key(1),
+          draft_vocab=jnp.asarray(_DRAFT_VOCAB) if draft_vocab else None, **common)
+  np.testing.assert_array_equal(np.asarray(out.lengths), LAW_TOKENS)
+  acceptance = np.asarray(out.accepted).sum(0) / np.asarray(out.attempted).sum(0)
+  return np.asarray(out.tokens), acceptance
+
+
+@pytest.mark.parametrize("sampler", list(_LAW_SAMPLERS))
+def test_every_sampler_emits_the_autoregressive_law_over_whole_sequences(
+    partly_trained, autoregressive_law, law_programs, sampler):
+  """Fixed K = 3 (rejection, block, each also with a reduced draft vocabulary that never
+  proposes two of the policy's frequent tokens) and adaptive decoding with K forced to
+  switch at every iteration (1, 0, 3, 1, ...: autoregressive steps between drafting ones,
+  depths left behind caught up): the marginal of every position 1..12 and of every
+  consecutive pair is autoregressive sampling's (the section's comment). The drafts are
+  partly right at every depth (acceptance ~0.9 per depth, ~0.6-0.8 with the reduced
+  vocabulary; printed), so rejections, residuals and bonus tokens occur at every depth.
+  Both broken verifications fail the same check at positions beyond 3."""
+  tokens, acceptance = _law_sample(partly_trained, law_programs, sampler)
+  print(f"\n{sampler}: acceptance per depth {np.round(acceptance, 3).tolist()}")
+  assert ((0.2 < acceptance) & (acceptance < 0.95)).all(), acceptance
+  pvalues = _law_pvalues(tokens, autoregressive_law)
+  rejected = _holm(pvalues, LAW_ALPHA)
+  print(f"  intact: least p-value {min(pvalues.values()):.2g} "
+        f"at {min(pvalues, key=pvalues.get)}, rejected {rejected}")
+  assert not rejected, {name: pvalues[name] for name in rejected}
+  for broken in _BREAKS[1:]:
+    pvalues = _law_pvalues(_law_sample(partly_trained, law_programs, sampler, broken)[0],
+                           autoregressive_law)
+    rejected = _holm(pvalues, LAW_ALPHA)
+    beyond = [name for name in rejected if min(name) > 3]
+    print(f"  broken {broken}: rejected {len(rejected)} of {len(pvalues)}, beyond position "
+          f"3: " + ", ".join(f"{name} p={pvalues[name]:.1g}" for name in beyond))
+    assert beyond, (broken, {name: pvalues[name] for name in rejected})
 
 
 def test_a_full_draft_vocabulary_decodes_as_none_and_a_reduced_one_drafts_inside_it(
@@ -362,38 +550,6 @@ def _adaptive(graphdef, state, tokens, lengths, seed, *, schedule, k_max, segmen
       stop_tokens=stop_tokens, schedule=schedule,
       settings=adaptive.Settings(k_max=k_max, segment=segment, compact=compact,
                                  batch_factor=batch_factor))
-
-
-@pytest.mark.parametrize("mode", ["rejection", "block"])
-def test_adaptive_decoding_with_forced_switching_samples_the_autoregressive_law(
-    partly_trained, mode):
-  """K switched at every iteration (1, 0, 3, 2, ...: the autoregressive step, and depth
-  caches that must catch up) against autoregressive sampling, as the fixed-K test above."""
-  from scipy import stats  # pylint: disable=g-import-not-at-top
-  graphdef, params_state = partly_trained
-  b, n = 4096, 3
-  tokens = jnp.tile(jnp.asarray([[3, 4, 5, 6, 0, 0, 0, 0]], jnp.int32), (b, 1))
-  lengths = jnp.full((b,), 4, jnp.int32)
-  spec, st = _adaptive(graphdef, params_state, tokens, lengths, 1, k_max=3, mode=mode,
-                       schedule=lambda i: (1, 0, 3, 2)[i % 4], compact=False, max_new=8,
-                       cache_length=32, stop_tokens=())
-  assert set(st.k_iterations) == {0, 1, 2, 3}
-  ar = autoregressive.generate(graphdef, params_state, tokens, lengths, jax.random.key(2),
-                               max_new_tokens=8, cache_length=32,
-                               params=sampling.SamplingParams(1.0), stop_tokens=())
-  acc = np.asarray(spec.accepted).sum(0) / np.maximum(np.asarray(spec.attempted).sum(0), 1)
-  assert (0.1 < acc).all() and (acc < 0.95).all(), acc
-  cells = lambda t: [tuple(r) for r in np.asarray(t)[:, :n]]
-  a, c = cells(spec.tokens), cells(ar.tokens)
-  keys = sorted(set(a) | set(c))
-  ca = np.array([a.count(k) for k in keys])
-  cc = np.array([c.count(k) for k in keys])
-  common = (ca + cc) >= 20
-  table = np.stack([np.append(ca[common], ca[~common].sum()),
-                    np.append(cc[common], cc[~common].sum())])
-  table = table[:, table.sum(0) > 0]
-  _, pvalue, _, _ = stats.chi2_contingency(table)
-  assert pvalue > 1e-3, (mode, pvalue)
 
 
 def test_adaptive_decoding_at_temperature_zero_is_greedy_decoding_whatever_k_and_batch():
