@@ -33,14 +33,173 @@ def _table(costs_by_rows):
   return t
 
 
-def test_choose_k_maximises_expected_tokens_per_second_by_brute_force():
-  rng = np.random.default_rng(0)
-  for _ in range(200):
-    alphas = rng.uniform(0, 1, 4)
-    costs = np.sort(rng.uniform(1, 3, 5))
-    table = _table({8: costs})
-    want = int(np.argmax([adaptive.expected_tokens(alphas, k) / costs[k] for k in range(5)]))
-    assert adaptive.choose_k(adaptive.AcceptanceEstimate(alphas), table, 8, 256, 4) == want
+# The decision rule written again from its definitions, independently of the module (none of
+# its expected_tokens, lookup, start_cost, call_seconds or call_residual): the brute force
+# the module's choices are checked against.
+
+
+def _tokens_per_iteration(alphas, k):
+  """E[tokens | K = k] = 1 + sum_{i=1..k} prod_{j<=i} alpha_j."""
+  total, accepted_through = 1.0, 1.0
+  for i in range(k):
+    accepted_through *= alphas[i]
+    total += accepted_through
+  return total
+
+
+def _measured_at_least(sizes, want):
+  """The measured size a table reads for `want`: the smallest one >= want, the largest when
+  want exceeds them all (a batch or cache bucket is padded up)."""
+  larger = [size for size in sorted(sizes) if size >= want]
+  return larger[0] if larger else max(sizes)
+
+
+def _iteration_seconds(seconds, k, rows, bucket):
+  """c(K, rows, bucket) from {(k, rows, bucket): seconds} measured on a full grid."""
+  r = _measured_at_least({rr for kk, rr, _ in seconds if kk == k}, rows)
+  b = _measured_at_least({bb for kk, rr, bb in seconds if kk == k and rr == r}, bucket)
+  return seconds[(k, r, b)]
+
+
+def _call_seconds(t, k, rows, bucket, alphas, call_tokens, misses=()):
+  """A call's modelled seconds when it begins with K = k, from the definition: the
+  prefill, one segment call's fixed cost and K's start cost (each at the smallest measured
+  batch >= rows; no start cost where none was measured for K), call_tokens / E(K)
+  iterations of c(K), plus the arm's call residual: the least of its last 8 misses once
+  two are recorded (`t`: the test's own copy of the table's numbers)."""
+  fixed = t["prefill"]
+  if t["overhead"]:
+    fixed += t["overhead"][_measured_at_least(t["overhead"], rows)]
+  start_rows = [r for kk, r in t["start"] if kk == k]
+  if start_rows:
+    fixed += t["start"][(k, _measured_at_least(start_rows, rows))]
+  iterations = max(call_tokens, 1.0) / _tokens_per_iteration(alphas, k)
+  residual = min(misses[-8:]) if len(misses) >= 2 else 0.0
+  return fixed + iterations * _iteration_seconds(t["seconds"], k, rows, bucket) + residual
+
+
+def _random_costs(rng, k_max):
+  """{(k, rows, bucket): seconds} on a grid of 1-3 batch sizes and 1-2 buckets, K costing
+  more per draft at a random rate, so that every K in 0..k_max wins somewhere."""
+  rows = sorted(rng.choice([1, 2, 4, 8, 16, 64], size=rng.integers(1, 4), replace=False))
+  buckets = sorted(rng.choice([64, 128, 256, 512], size=rng.integers(1, 3), replace=False))
+  seconds = {}
+  for r in rows:
+    for b in buckets:
+      base, per_draft = rng.uniform(0.5, 2.0), rng.uniform(0.0, 1.0)
+      for k in range(k_max + 1):
+        seconds[(k, int(r), int(b))] = base * (1 + per_draft * k) * rng.uniform(0.95, 1.05)
+  return seconds
+
+
+def _best(values, largest):
+  """The index of the best value, the first of equal ones (the rule's tie-break: the
+  smaller K, the earlier arm), or None when another value is within 1e-9 relative of it
+  without being equal (a near tie that rounding may decide either way)."""
+  best = max(values) if largest else min(values)
+  if any(v != best and abs(v - best) <= 1e-9 * abs(best) for v in values):
+    return None
+  return values.index(best)
+
+
+def _brute_force_choices(trials, seed=0):
+  """(the module's choose_k, the brute force's argmax) over random acceptance, cost tables,
+  live batches and buckets."""
+  rng = np.random.default_rng(seed)
+  pairs = []
+  for _ in range(trials):
+    k_max = int(rng.integers(1, 5))
+    alphas = rng.uniform(0.0, 1.0, k_max)
+    seconds = _random_costs(rng, k_max)
+    table = adaptive.CostTable()
+    for (k, r, b), s in seconds.items():
+      table.add(k, r, b, s)
+    rows, bucket = int(rng.integers(1, 80)), int(rng.integers(1, 600))
+    rates = [_tokens_per_iteration(alphas, k) / _iteration_seconds(seconds, k, rows, bucket)
+             for k in range(k_max + 1)]
+    want = _best(rates, largest=True)
+    if want is not None:
+      pairs.append((adaptive.choose_k(adaptive.AcceptanceEstimate(alphas), table, rows,
+                                      bucket, k_max), want))
+  return pairs
+
+
+def test_choose_k_maximises_expected_tokens_per_second_by_brute_force(monkeypatch):
+  """choose_k is the K in 0..k_max of the most E[tokens | K] / c(K, rows, bucket), computed
+  by the brute force above on 400 random cases (1-4 depths, costs on grids of batch sizes
+  and buckets, live batches and buckets between and beyond the measured ones); every K
+  wins somewhere. The brute force has power: with E[tokens | K] broken to
+  1 + sum_{k<=K} alpha_k (no products), the module's choices disagree with it."""
+  pairs = _brute_force_choices(400)
+  assert len(pairs) >= 390  # near ties are skipped
+  for got, want in pairs:
+    assert got == want
+  assert {want for _, want in pairs} == {0, 1, 2, 3, 4}
+  monkeypatch.setattr(adaptive, "expected_tokens",
+                      lambda alphas, k: 1.0 + float(np.sum(np.asarray(alphas)[:k])))
+  assert sum(got != want for got, want in _brute_force_choices(400)) >= 10
+
+
+def test_a_calls_first_choice_is_the_brute_force_least_modelled_call_seconds(monkeypatch):
+  """A call's first arm (choose_first_k, and choose_k with call_tokens) is the one of the
+  least modelled seconds of the whole call plus the arm's call residual, computed by the
+  brute force above on 300 random cases: prefill, segment-call cost and start costs
+  measured at some batch sizes, misses recorded for some arms (more than 8 for some: only
+  the last 8 count), random call lengths and arms. The brute force has power: with the
+  call residual broken to the latest miss instead of the least of the last 8, the
+  module's choices disagree with it."""
+  def run(trials, seed=1):
+    rng = np.random.default_rng(seed)
+    disagree, checked, wants = 0, 0, set()
+    for _ in range(trials):
+      k_max = int(rng.integers(1, 4))
+      alphas = tuple(float(a) for a in rng.uniform(0.0, 1.0, k_max))
+      t = {"seconds": _random_costs(rng, k_max), "prefill": float(rng.uniform(0, 2)),
+           "overhead": {int(r): float(rng.uniform(0, 1))
+                        for r in rng.choice([1, 4, 16], size=rng.integers(0, 3),
+                                            replace=False)},
+           "start": {(k, int(r)): float(rng.uniform(0, 20))
+                     for k in range(1, k_max + 1)
+                     for r in rng.choice([1, 4, 16], size=rng.integers(0, 3),
+                                         replace=False)}}
+      table = adaptive.CostTable(prefill=t["prefill"], overhead=dict(t["overhead"]),
+                                 start=dict(t["start"]))
+      for (k, r, b), s in t["seconds"].items():
+        table.add(k, r, b, s)
+      arms = [(k, whole) for k in range(k_max + 1) for whole in (False, True)
+              if rng.uniform() < 0.7] or [(0, False)]
+      misses = {}
+      for arm in arms:
+        for _ in range(int(rng.choice([0, 1, 2, 5, 12]))):
+          miss = float(rng.uniform(-2, 10))
+          misses.setdefault(arm, []).append(miss)
+          table.observe_call(10.0, 0.5, k=arm[0], whole=arm[1], seconds=100.0 + miss,
+                             modelled=100.0)
+      rows, bucket = int(rng.integers(1, 40)), int(rng.integers(1, 600))
+      call_tokens = float(rng.uniform(0.5, 300))
+      total = [_call_seconds(t, k, rows, bucket, alphas, call_tokens, misses.get((k, w), ()))
+               for k, w in arms]
+      best = _best(total, largest=False)
+      if best is None:
+        continue
+      checked += 1
+      wants.add(arms[best][0])
+      got = adaptive.choose_first_k(alphas, table, rows, bucket, k_max, call_tokens, arms)
+      disagree += got != arms[best]
+      # choose_k with a call length: the arms (K, segments) of every K.
+      plain = [_call_seconds(t, k, rows, bucket, alphas, call_tokens,
+                             misses.get((k, False), ())) for k in range(k_max + 1)]
+      want_k = _best(plain, largest=False)
+      if want_k is not None:
+        disagree += adaptive.choose_k(adaptive.AcceptanceEstimate(np.asarray(alphas)), table,
+                                      rows, bucket, k_max, call_tokens=call_tokens) != want_k
+    return disagree, checked, wants
+
+  disagree, checked, wants = run(300)
+  assert disagree == 0 and checked >= 290 and wants == {0, 1, 2, 3}
+  monkeypatch.setattr(adaptive.CostTable, "call_residual",
+                      lambda self, k, whole=False: self.call_misses.get((k, whole), [0.0])[-1])
+  assert run(300)[0] >= 10
 
 
 def test_choose_k_switches_speculation_off_where_it_cannot_pay():
@@ -65,9 +224,11 @@ def test_a_short_call_does_not_pay_for_the_depth_caches():
   table.start.update({(1, 1): 4.0, (2, 1): 6.0, (3, 1): 8.0})
   good = adaptive.AcceptanceEstimate([0.9, 0.9, 0.9])
   assert adaptive.choose_k(good, table, 1, 256, 3) == 3  # no call length: the start is free
+  costs = [1.0, 1.2, 1.4, 1.6]
+  start = [0.0, 4.0, 6.0, 8.0]
   for call_tokens in (1, 4, 16, 64, 512):
-    seconds = [table.start_cost(k, 1) + call_tokens / adaptive.expected_tokens(good.alphas, k)
-               * table.lookup(k, 1, 256) for k in range(4)]
+    seconds = [start[k] + call_tokens / _tokens_per_iteration([0.9] * 3, k) * costs[k]
+               for k in range(4)]
     want = int(np.argmin(seconds))
     assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=call_tokens) == want
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=4) == 0
@@ -88,9 +249,12 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   table.prefill, table.overhead[1] = 5.0, 0.5
   good = adaptive.AcceptanceEstimate([0.9, 0.9, 0.9])
   tokens = 64.0
-  modelled = [table.call_seconds(k, 1, 256, good.alphas, tokens) for k in range(4)]
-  assert modelled[0] == pytest.approx(5.0 + 0.5 + 64 * 1.0)
-  assert modelled[3] == pytest.approx(5.5 + 64 / adaptive.expected_tokens(good.alphas, 3) * 1.6)
+  # The model from its definition: prefill + call cost + tokens / E(K) iterations of c(K).
+  modelled = [5.0 + 0.5 + tokens / _tokens_per_iteration([0.9] * 3, k) * c
+              for k, c in enumerate([1.0, 1.2, 1.4, 1.6])]
+  np.testing.assert_allclose([table.call_seconds(k, 1, 256, good.alphas, tokens)
+                              for k in range(4)], modelled, rtol=1e-12)
+  assert modelled[3] == pytest.approx(5.5 + 64 / (1 + 0.9 + 0.81 + 0.729) * 1.6)
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=tokens) == 3
   table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 30.0, modelled=modelled[3])
   assert table.calls == {(3, False): 1}

@@ -332,6 +332,10 @@ def test_block_verification_accepts_the_papers_example_and_never_less_than_rejec
 
 
 def _block_step_tables(p_tab, q_tab, k):
+  """A jitted block-verification step of the Markov 'model' (p_tab, q_tab): drafts chained
+  through q_tab from each row's last token, verified by verify(mode="block"); returns
+  (emitted [B, K+1], count [B]). Traced on its first call, with the module's functions as
+  they are then."""
   p_tab, q_tab = jnp.asarray(p_tab), jnp.asarray(q_tab)
 
   @jax.jit
@@ -355,33 +359,116 @@ def _block_step_tables(p_tab, q_tab, k):
   return step
 
 
-@pytest.mark.parametrize("kind", ["random", "same", "disjoint", "close"])
-def test_block_verification_samples_pass_chi_square_at_every_depth(kind):
-  """verify(mode="block") itself, sampled: the joint law of the first d emitted tokens,
-  d = 1 .. K + 1, against the target chain (chi-square, fixed seed)."""
-  v, k, n = 4, 3, 20_000
-  p, q = _tables(v, kind, seed=7)
-  step = _block_step_tables(p, q, k)
-  rng, prev = jax.random.key(2), jnp.zeros((n,), jnp.int32)
-  chunks, counts = [], np.zeros(n, np.int64)
-  while counts.min() < k + 1:
+def _block_streams(p_tab, q_tab, k, rows, length, seed=2):
+  """[rows, length] tokens emitted by repeated block-verification steps after token 0."""
+  step = _block_step_tables(p_tab, q_tab, k)
+  rng, prev = jax.random.key(seed), jnp.zeros((rows,), jnp.int32)
+  out = np.zeros((rows, length + k + 1), np.int32)
+  filled = np.zeros(rows, np.int64)
+  index = np.arange(rows)
+  while filled.min() < length:
     rng, key = jax.random.split(rng)
     emitted, count = jax.device_get(step(key, prev))
-    chunks.append((emitted, count))
-    counts += count
-    prev = jnp.asarray(emitted[np.arange(n), count - 1])
-  seqs = np.stack([np.concatenate([e[i, :c[i]] for e, c in chunks])[:k + 1] for i in range(n)])
-  for depth in range(1, k + 2):
-    cells = np.ravel_multi_index(seqs[:, :depth].T, (v,) * depth)
-    observed = np.bincount(cells, minlength=v ** depth)
-    expected = np.zeros(v ** depth)
-    for idx, seq in enumerate(np.ndindex(*(v,) * depth)):
-      ctx = (0, *seq)
-      expected[idx] = np.prod([p[ctx[j], seq[j]] for j in range(depth)]) * n
-    keep = expected > 5
-    assert observed[expected == 0].sum() == 0, (kind, depth)
-    obs, exp = observed[keep], expected[keep]
-    if (~keep).any() and expected[~keep].sum() > 0:  # pool the rare cells
-      obs, exp = np.append(obs, observed[~keep].sum()), np.append(exp, expected[~keep].sum())
-    _, pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum())
-    assert pvalue > 1e-3, (kind, depth, pvalue)
+    for j in range(k + 1):
+      at = j < count
+      out[index[at], np.minimum(filled[at] + j, out.shape[1] - 1)] = emitted[at, j]
+    filled += count
+    prev = jnp.asarray(emitted[index, count - 1])
+  return out[:, :length]
+
+
+def _chain_pvalues(seqs, p_tab, joint):
+  """{positions: p-value} of one-sample chi-square tests of `seqs` [rows, L] (emitted after
+  token 0) against the Markov chain p_tab: the marginal of every position, every
+  consecutive pair, and the joint law of the first `joint` tokens. Cells of expected count
+  below 5 are pooled; a token of probability 0 is a failure outright (p-value 0)."""
+  rows, length = seqs.shape
+  v = p_tab.shape[0]
+  p = p_tab.astype(np.float64)
+  marginals = [p[0]]
+  for _ in range(length - 1):
+    marginals.append(marginals[-1] @ p)
+
+  def pvalue(cells, probs):
+    observed = np.bincount(cells, minlength=probs.size)
+    expected = probs.reshape(-1) * rows
+    if observed[expected == 0].sum():
+      return 0.0
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum())[1])
+
+  tests = {(i + 1,): pvalue(seqs[:, i], marginals[i]) for i in range(length)}
+  for i in range(length - 1):
+    tests[(i + 1, i + 2)] = pvalue(seqs[:, i] * v + seqs[:, i + 1],
+                                   marginals[i][:, None] * p)
+  first = p[0]  # the law of the first `joint` tokens, flattened in row-major order
+  for _ in range(joint - 1):
+    first = (first.reshape(-1, v)[:, :, None] * p[None]).reshape(-1)
+  tests[tuple(range(1, joint + 1))] = pvalue(
+      np.ravel_multi_index(seqs[:, :joint].T, (v,) * joint), first)
+  return tests
+
+
+def _holm(pvalues, alpha):
+  """The tests Holm's step-down procedure rejects at family-wise level `alpha`."""
+  ranked = sorted(pvalues, key=pvalues.get)
+  rejected = []
+  for i, name in enumerate(ranked):
+    if pvalues[name] > alpha / (len(ranked) - i):
+      break
+    rejected.append(name)
+  return rejected
+
+
+def _unweighted_block_residual(w, draft_probs, target_probs):
+  """A broken block rule: the residual after a block that ends at tau without the weight
+  w_tau, max(0, p_{tau+1} - q_{tau+1}) (token-wise rejection's)."""
+  k = draft_probs.shape[1]
+  res = jnp.maximum(target_probs[:, :k] - draft_probs, 0.0)
+  return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, target_probs[:, :k])
+
+
+def _block_weights_with_tokenwise_h(block_weights):
+  """A broken block rule: the block ends at depth i with probability w_i (no residual mass
+  S_i in h_i), the weights themselves right."""
+  def broken(draft_tokens, draft_probs, target_probs):
+    w, _ = block_weights(draft_tokens, draft_probs, target_probs)
+    return w, w[:, 1:]
+  return broken
+
+
+@pytest.mark.parametrize("kind", ["random", "close", "same", "disjoint"])
+def test_block_verification_samples_the_target_chain_over_several_steps(kind, monkeypatch):
+  """verify(mode="block") on Markov tables over 4 tokens (p and q random Dirichlet rows;
+  q a mixture 0.7 p + 0.3 Dirichlet; and the edge cases q = p and disjoint supports),
+  chained step after step: the first 10 tokens emitted after token 0 by 30,000 rows
+  (several K = 3 steps each) against the target chain, by one-sample chi-square tests of
+  the marginal at every position, of every consecutive pair and of the joint law of the
+  first K + 1 tokens, with Holm's correction at a family-wise level of 1e-3. Power: on the
+  non-trivial tables broken block rules fail the same test: the block ending at depth i
+  with probability w_i (h_i without the residual mass S_i), and (random tables) the
+  residual without the weight, max(0, p - q) for max(0, w_tau p - q). The latter differs
+  only after a block that ends at tau >= 1 with w_tau < 1, rare when q is close to p."""
+  v, k, rows, length, alpha = 4, 3, 30_000, 10, 1e-3
+  p, q = _tables(v, kind, seed=7)
+  pvalues = _chain_pvalues(_block_streams(p, q, k, rows, length), p, joint=k + 1)
+  rejected = _holm(pvalues, alpha)
+  print(f"\n{kind}: least p-value {min(pvalues.values()):.2g}, rejected {rejected}")
+  assert not rejected, (kind, {name: pvalues[name] for name in rejected})
+  broken_rules = {
+      "h_i = w_i": ("block_weights", _block_weights_with_tokenwise_h(verify_lib.block_weights)),
+      "residual without w_tau": ("block_residual_probs", _unweighted_block_residual),
+  }
+  must_fail = {"random": ("h_i = w_i", "residual without w_tau"), "close": ("h_i = w_i",)}
+  for name in must_fail.get(kind, ()):  # q = p keeps every draft, disjoint none: no power
+    attribute, broken = broken_rules[name]
+    with monkeypatch.context() as patch:
+      patch.setattr(verify_lib, attribute, broken)
+      pvalues = _chain_pvalues(_block_streams(p, q, k, rows, length), p, joint=k + 1)
+    rejected = _holm(pvalues, alpha)
+    print(f"  broken, {name}: rejected " +
+          ", ".join(f"{t} p={pvalues[t]:.1g}" for t in rejected))
+    assert rejected, (kind, name, pvalues)
