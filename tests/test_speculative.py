@@ -16,6 +16,7 @@ from bebop_jax.decoding import autoregressive, sampling, speculative
 from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
+import multiple_testing  # tests/ is on sys.path (pytest rootdir conftest)
 
 GRAPHDEF, STATE = policy_lib.init(model_config.preset("tiny"), seed=3)
 GRAPHDEF_K = model_config.preset("tiny").num_draft_steps
@@ -355,18 +356,6 @@ def _law_pvalues(sample: np.ndarray, reference: np.ndarray) -> dict[tuple[int, .
   return tests
 
 
-def _holm(pvalues: dict, alpha: float) -> list:
-  """The tests Holm's step-down procedure rejects at family-wise level `alpha`, most
-  significant first."""
-  ranked = sorted(pvalues, key=pvalues.get)
-  rejected = []
-  for i, name in enumerate(ranked):
-    if pvalues[name] > alpha / (len(ranked) - i):
-      break
-    rejected.append(name)
-  return rejected
-
-
 _SWITCH = {}  # "broken": what the programs break now (host); "traced": its index, traced
 
 
@@ -488,14 +477,14 @@ def test_every_sampler_emits_the_autoregressive_law_over_whole_sequences(
   print(f"\n{sampler}: acceptance per depth {np.round(acceptance, 3).tolist()}")
   assert ((0.2 < acceptance) & (acceptance < 0.95)).all(), acceptance
   pvalues = _law_pvalues(tokens, autoregressive_law)
-  rejected = _holm(pvalues, LAW_ALPHA)
+  rejected = multiple_testing.holm(pvalues, LAW_ALPHA)
   print(f"  intact: least p-value {min(pvalues.values()):.2g} "
         f"at {min(pvalues, key=pvalues.get)}, rejected {rejected}")
   assert not rejected, {name: pvalues[name] for name in rejected}
   for broken in _BREAKS[1:]:
     pvalues = _law_pvalues(_law_sample(partly_trained, law_programs, sampler, broken)[0],
                            autoregressive_law)
-    rejected = _holm(pvalues, LAW_ALPHA)
+    rejected = multiple_testing.holm(pvalues, LAW_ALPHA)
     beyond = [name for name in rejected if min(name) > 3]
     print(f"  broken {broken}: rejected {len(rejected)} of {len(pvalues)}, beyond position "
           f"3: " + ", ".join(f"{name} p={pvalues[name]:.1g}" for name in beyond))

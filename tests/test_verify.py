@@ -10,6 +10,7 @@ import pytest
 from scipy import stats
 
 from bebop_jax.decoding import verification as verify_lib
+import multiple_testing  # tests/ is on sys.path (pytest rootdir conftest)
 
 V, K = 6, 3
 SAMPLING_MODES = ("rejection", "greedy_draft", "strict", "block")
@@ -412,17 +413,6 @@ def _chain_pvalues(seqs, p_tab, joint):
   return tests
 
 
-def _holm(pvalues, alpha):
-  """The tests Holm's step-down procedure rejects at family-wise level `alpha`."""
-  ranked = sorted(pvalues, key=pvalues.get)
-  rejected = []
-  for i, name in enumerate(ranked):
-    if pvalues[name] > alpha / (len(ranked) - i):
-      break
-    rejected.append(name)
-  return rejected
-
-
 def _unweighted_block_residual(w, draft_probs, target_probs):
   """A broken block rule: the residual after a block that ends at tau without the weight
   w_tau, max(0, p_{tau+1} - q_{tau+1}) (token-wise rejection's)."""
@@ -455,7 +445,7 @@ def test_block_verification_samples_the_target_chain_over_several_steps(kind, mo
   v, k, rows, length, alpha = 4, 3, 30_000, 10, 1e-3
   p, q = _tables(v, kind, seed=7)
   pvalues = _chain_pvalues(_block_streams(p, q, k, rows, length), p, joint=k + 1)
-  rejected = _holm(pvalues, alpha)
+  rejected = multiple_testing.holm(pvalues, alpha)
   print(f"\n{kind}: least p-value {min(pvalues.values()):.2g}, rejected {rejected}")
   assert not rejected, (kind, {name: pvalues[name] for name in rejected})
   broken_rules = {
@@ -468,7 +458,7 @@ def test_block_verification_samples_the_target_chain_over_several_steps(kind, mo
     with monkeypatch.context() as patch:
       patch.setattr(verify_lib, attribute, broken)
       pvalues = _chain_pvalues(_block_streams(p, q, k, rows, length), p, joint=k + 1)
-    rejected = _holm(pvalues, alpha)
+    rejected = multiple_testing.holm(pvalues, alpha)
     print(f"  broken, {name}: rejected " +
           ", ".join(f"{t} p={pvalues[t]:.1g}" for t in rejected))
     assert rejected, (kind, name, pvalues)
