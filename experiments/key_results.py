@@ -1,36 +1,39 @@
-r"""The README's key results (and docs/results.md's real-policy section), rendered from
-committed artifacts only.
+r"""The generated blocks of README.md and docs/, rendered from committed artifacts only, and
+the manifest that binds each of their numbers to its artifact and key (docs/numbers.json).
 
-  python experiments/key_results.py --write     # rewrite README.md's generated blocks
+  python experiments/key_results.py --write     # rewrite the blocks and the manifest
   python experiments/key_results.py             # check them (exit 1 when stale)
 
-Every number in the README's generated blocks comes from a json file under docs/:
+README.md's numbers come from json files under docs/:
   docs/results/<finding>.json    written by `python experiments/reproduce.py --scale=laptop
                                  --workdir=runs/reproduce --results=docs/results.md`
   docs/artifacts/main_job.json   the main job's summary.json, copied by
                                  `python experiments/key_results.py --main_job=runs/quickstart`
                                  after `python -m bebop_jax.main --config=configs/quickstart.py
                                  --workdir=runs/quickstart`
-  docs/artifacts/smollm2_main_job.json, docs/artifacts/smollm2_bench_decode.json
+  docs/artifacts/smollm2_main_job.json
                                  the real policy (SMOLLM2_COMMAND, copied by
-                                 `--main_job=runs/smollm2 --as=smollm2_main_job.json`, and
-                                 SMOLLM2_BENCH_COMMAND)
+                                 `--main_job=runs/smollm2 --as=smollm2_main_job.json`)
   docs/results_real/<finding>.json
                                  the findings on the real policy (REAL_REPRODUCE_COMMAND),
                                  summarized in docs/results.md's real_findings block
-A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` lines; the
-text around the blocks is written by hand. tests/test_readme.py checks that the README's
-blocks are what this script renders, and that every number in them is a number of the
-artifacts at the printed precision.
+The blocks of other docs/ pages are rendered by experiments/doc_blocks/<page>.py. A block sits
+between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` lines; the text around the
+blocks is written by hand and holds no measured number. Every printed number is cited
+(experiments/doc_numbers.py): tests/test_doc_numbers.py recomputes each from its artifact
+key at the printed precision.
 """
-
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
+
+if __package__ in (None, ""):  # run as a script
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import doc_blocks, doc_numbers  # pylint: disable=g-import-not-at-top
+from experiments.doc_numbers import Block, Source  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "docs", "results")
@@ -83,85 +86,85 @@ CLAIMS = (
 
 
 def load_findings(results_dir: str = RESULTS_DIR, names: tuple[str, ...] = FINDINGS
-                  ) -> dict[str, dict]:
-  out = {}
-  for name in names:
-    with open(os.path.join(results_dir, f"{name}.json")) as f:
-      out[name] = json.load(f)
-  return out
+                  ) -> dict[str, Source]:
+  return {name: Source(os.path.relpath(os.path.join(results_dir, f"{name}.json"), REPO))
+          for name in names}
 
 
-def load_main_job(path: str = MAIN_JOB) -> dict:
-  with open(path) as f:
-    return json.load(f)
+def load_main_job(path: str = MAIN_JOB) -> Source:
+  return Source(os.path.relpath(path, REPO))
 
 
-def _label(finding: dict) -> str:
-  return finding["title"].split(":")[0]
+def _label(finding: Source) -> str:
+  return finding["title"].value.split(":")[0]
 
 
-def _ci(ci, fmt: str = "+.3f") -> str:
-  return f"[{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
+def _ci(b: Block, ci: Source, fmt: str = "+.3f") -> str:
+  return f"[{b.num(ci[0], fmt=fmt)}, {b.num(ci[1], fmt=fmt)}]"
 
 
 # ----------------------------------------------------------------------------- the blocks
 
 
-def claims_block(findings: dict[str, dict]) -> str:
+def claims_block(b: Block, findings: dict[str, Source]) -> str:
   """The paper's findings, each with the verdicts here."""
   lines = []
   for i, (claim, names) in enumerate(CLAIMS, start=1):
-    verdicts = "; ".join(f"{_label(findings[n])} **{findings[n]['verdict']}**" for n in names)
+    verdicts = "; ".join(f"{_label(findings[n])} **{findings[n]['verdict'].value}**"
+                         for n in names)
+    claim = claim.replace("1.8x", b.quote("1.8x", "the paper's abstract"))
     lines.append(f"{i}. *The paper:* {claim} *Here:* {verdicts}.")
-  reproduced = sum(f["verdict"] == "reproduced" for f in findings.values())
+  reproduced = sum(f["verdict"].value == "reproduced" for f in findings.values())
   lines += ["", f"{reproduced} of {len(findings)} findings reproduced at laptop scale "
             f"([docs/results.md](docs/results.md))."]
   return "\n".join(lines)
 
 
-def _f1(f: dict) -> str:
+def _f1(b: Block, f: Source) -> str:
   fits = f["data"]["fits"]
   parts = []
   for source, label in (("rl_steps", "RL steps"), ("rescoring", "re-scoring temperatures")):
     fit = fits[source]["depth1"]["rejection"]
-    parts.append(f"{label}: {fit['slope']:+.3f} per nat {_ci(fit['slope_ci95'])} over "
-                 f"{fit['x_range']:.2f} nats of entropy")
+    parts.append(f"{label}: {b.num(fit['slope'], fmt='+.3f')} per nat "
+                 f"{_ci(b, fit['slope_ci95'])} over {b.num(fit['x_range'], fmt='.2f')} nats "
+                 "of entropy")
   return "depth-1 acceptance against entropy, rejection sampling; " + "; ".join(parts)
 
 
-def _f2(f: dict) -> str:
+def _f2(b: Block, f: Source) -> str:
   parts = []
   for r in f["data"]["ratios"]:
-    if r["metric"] != "depth1":
+    if r["metric"].value != "depth1":
       continue
-    label = "RL steps" if r["source"] == "rl_steps" else "re-scoring"
-    parts.append(f"{label} {r['gap_slope']:+.3f} per nat "
-                 f"{_ci([r['gap_slope_ci95_low'], r['gap_slope_ci95_high']])}")
+    label = "RL steps" if r["source"].value == "rl_steps" else "re-scoring"
+    parts.append(f"{label} {b.num(r['gap_slope'], fmt='+.3f')} per nat "
+                 f"[{b.num(r['gap_slope_ci95_low'], fmt='+.3f')}, "
+                 f"{b.num(r['gap_slope_ci95_high'], fmt='+.3f')}]")
   return "slope of the gap greedy − rejection (depth 1): " + "; ".join(parts)
 
 
-def _f3(f: dict) -> str:
+def _f3(b: Block, f: Source) -> str:
   d = f["data"]
   comp = d["comparison"]
-  g = lambda c, loss: (f"{c['paired'][loss]['mean']:+.1%} "
-                       f"{_ci(c['paired'][loss]['ci95'], '+.1%')}")
-  text = (f"acceptance over CE, paired by seed ({comp['seeds']} seeds, 95% t): e2e-TV "
+  g = lambda c, loss: (f"{b.num(c['paired'][loss]['mean'], fmt='+.1%')} "
+                       f"{_ci(b, c['paired'][loss]['ci95'], '+.1%')}")
+  text = (f"acceptance over CE, paired by seed ({comp['seeds'].value} seeds, 95% t): e2e-TV "
           f"{g(comp, 'e2e_tv')}, per-step TV {g(comp, 'tv')}, KL {g(comp, 'kl')}")
   if d.get("scratch"):
     text += f"; from scratch e2e-TV {g(d['scratch'], 'e2e_tv')}, TV {g(d['scratch'], 'tv')}"
   return text
 
 
-def _f4(f: dict) -> str:
+def _f4(b: Block, f: Source) -> str:
   d = f["data"]
   t, c = d["trends"]["frozen_e2e_tv"], d["control"]
-  return (f"frozen e2e-TV drafter over {d['steps']} RL steps: acceptance change "
-          f"{t['change']:+.3f} {_ci(t['change_ci95'])}; minus the frozen CE drafter's "
-          f"{c['change']:+.3f} {_ci(c['change_ci95'])}; policy entropy change "
-          f"{d['policy']['entropy_change']:+.3f} nats")
+  return (f"frozen e2e-TV drafter over {d['steps'].value} RL steps: acceptance change "
+          f"{b.num(t['change'], fmt='+.3f')} {_ci(b, t['change_ci95'])}; minus the frozen CE "
+          f"drafter's {b.num(c['change'], fmt='+.3f')} {_ci(b, c['change_ci95'])}; policy "
+          f"entropy change {b.num(d['policy']['entropy_change'], fmt='+.3f')} nats")
 
 
-def _speedup(f: dict) -> str:
+def _speedup(b: Block, f: Source) -> str:
   d = f["data"]
   names = (("speculative_async_vs_autoregressive_async", "spec./AR async"),
            ("speculative_sync_vs_autoregressive_sync", "spec./AR sync"),
@@ -169,10 +172,11 @@ def _speedup(f: dict) -> str:
   parts = []
   for key, label in names:
     p = d["pairs"][key]
-    ci = "" if p["ci95"] is None else " " + _ci(p["ci95"], ".2f")
-    parts.append(f"{label} {p['measured']:.2f}x{ci}")
+    ci = "" if p["ci95"].value is None else " " + _ci(b, p["ci95"], ".2f")
+    parts.append(f"{label} {b.num(p['measured'], fmt='.2f')}x{ci}")
   place = d["placement"]
-  where = (f"{place['devices']} {place['platform']} device(s), {place['mode']}")
+  where = (f"{place['devices'].value} {place['platform'].value} device(s), "
+           f"{place['mode'].value}")
   return "per RL step, 95% t over blocks: " + ", ".join(parts) + f" ({where})"
 
 
@@ -180,64 +184,64 @@ SUMMARIES = {"acceptance_entropy": _f1, "greedy_vs_rejection": _f2, "objectives"
              "through_rl": _f4, "speedup": _speedup}
 
 
-def findings_block(findings: dict[str, dict]) -> str:
+def findings_block(b: Block, findings: dict[str, Source]) -> str:
   """One row per finding: what was measured, the verdict, the rule version."""
   lines = ["| finding | measured here | verdict (rule) |", "|---|---|---|"]
-  for name in findings:
-    f = findings[name]
-    lines.append(f"| {f['title']} | {SUMMARIES[name](f)} | **{f['verdict']}** "
-                 f"({f['rule']['label']} v{f['rule']['current']}) |")
+  for name, f in findings.items():
+    lines.append(f"| {f['title'].value} | {SUMMARIES[name](b, f)} | **{f['verdict'].value}** "
+                 f"({f['rule']['label'].value} v{f['rule']['current'].value}) |")
   return "\n".join(lines)
 
 
-def real_findings_block(findings: dict[str, dict]) -> str:
+def real_findings_block(b: Block, findings: dict[str, Source]) -> str:
   """docs/results.md's section on the real policy: the verdicts of its page, one row each."""
-  reproduced = sum(f["verdict"] == "reproduced" for f in findings.values())
+  reproduced = sum(f["verdict"].value == "reproduced" for f in findings.values())
   return "\n".join([f"{reproduced} of {len(findings)} findings reproduced on the real policy, "
-                    f"by `{REAL_REPRODUCE_COMMAND}`:", "", findings_block(findings)])
+                    f"by `{REAL_REPRODUCE_COMMAND}`:", "", findings_block(b, findings)])
 
 
-def main_job_block(s: dict) -> str:
+def main_job_block(b: Block, s: Source) -> str:
   """The main job: held-out pass@1 before and after RL, the drafter, decode speed, time."""
   rl = s["rl"]
-  lines = _pass_at_1_rows(rl)
+  lines = _pass_at_1_rows(b, rl)
   tpf = rl["tokens_per_target_forward_before"]["rejection"]
   tpf_after = rl["tokens_per_target_forward_after"]["rejection"]
   speed = s["decode"]["speedup_vs_autoregressive"]
-  lines += ["", f"Its e2e-TV drafter earns {tpf:.2f} tokens per target forward before RL and "
-            f"{tpf_after:.2f} after (rejection sampling, at most 4); speculative against "
-            f"autoregressive decoding, wall clock: " +
-            ", ".join(f"{v:.2f}x at batch {b}" for b, v in speed.items()) +
-            f". The job took {s['timing']['total_s'] / 60:.1f} minutes "
+  lines += ["", f"Its e2e-TV drafter earns {b.num(tpf, fmt='.2f')} tokens per target forward "
+            f"before RL and {b.num(tpf_after, fmt='.2f')} after (rejection sampling, at most "
+            "4); speculative against autoregressive decoding, wall clock: " +
+            ", ".join(f"{b.num(speed[k], fmt='.2f')}x at batch {k}" for k in speed) +
+            f". The job took {b.num(s['timing']['total_s'], fmt='.1f', op='minutes')} minutes "
             f"(summary.json `timing`)."]
   return "\n".join(lines)
 
 
-def _pass_at_1_rows(rl: dict) -> list[str]:
+def _pass_at_1_rows(b: Block, rl: Source) -> list[str]:
   """The pass@1 table of an RL stage summary: before, after and the paired difference."""
   tasks = list(rl["pass_at_1_before"])
   lines = ["| held-out pass@1 (T = 1) | " + " | ".join(tasks) + " |",
            "|---" * (1 + len(tasks)) + "|"]
   row = lambda label, cells: lines.append(f"| {label} | " + " | ".join(cells) + " |")
-  row("before RL", [f"{rl['pass_at_1_before'][t]:.3f} ± {rl['pass_at_1_se_before'][t]:.3f}"
+  pm = lambda v, se, fmt: f"{b.num(v, fmt=fmt)} ± {b.num(se, fmt='.3f')}"
+  row("before RL", [pm(rl["pass_at_1_before"][t], rl["pass_at_1_se_before"][t], ".3f")
                     for t in tasks])
-  row(f"after {rl['steps']} GRPO steps",
-      [f"{rl['pass_at_1_after'][t]:.3f} ± {rl['pass_at_1_se_after'][t]:.3f}" for t in tasks])
-  row("paired difference", [f"{rl['pass_at_1_delta'][t]['delta']:+.3f} ± "
-                            f"{rl['pass_at_1_delta'][t]['se']:.3f}" for t in tasks])
+  row(f"after {rl['steps'].value} GRPO steps",
+      [pm(rl["pass_at_1_after"][t], rl["pass_at_1_se_after"][t], ".3f") for t in tasks])
+  row("paired difference", [pm(rl["pass_at_1_delta"][t]["delta"],
+                               rl["pass_at_1_delta"][t]["se"], "+.3f") for t in tasks])
   return lines
 
 
-def drafter_block(mtp: dict) -> list[str]:
+def drafter_block(b: Block, mtp: Source) -> list[str]:
   """The MTP stage's drafter on held-out prompts of the policy it was trained for: online
   acceptance per depth (rejection sampling, reach-weighted: a depth's drafts counted when
   verified) with its draft events and Wilson 95% interval, and the teacher-forced rates
   (reach-weighted and unweighted) over the held-out rollouts."""
-  schedule = " then ".join(f"{loss} to step {end}" for loss, end in mtp["schedule"])
-  vocab = mtp.get("draft_vocab") or {}
-  head = (f"a reduced vocabulary of {vocab['size']} tokens, which covers "
-          f"{vocab['coverage_heldout']:.2%} of the held-out policy tokens"
-          if vocab.get("size") else "the whole vocabulary")
+  schedule = " then ".join(f"{loss} to step {end}" for loss, end in mtp["schedule"].value)
+  vocab = mtp.get("draft_vocab")
+  head = (f"a reduced vocabulary of {vocab['size'].value} tokens, which covers "
+          f"{b.num(vocab['coverage_heldout'], fmt='.2%')} of the held-out policy tokens"
+          if vocab and vocab.get("size") else "the whole vocabulary")
   online, tf = mtp["online"]["rejection"], mtp["teacher_forced"]["rejection"]
   lines = [f"Its drafter (one MTP module, K = 3 drafts; {schedule}; drafting from {head}), "
            "on held-out prompts of the SFT policy (the MTP stage's evaluation, T = 1). Online "
@@ -247,26 +251,30 @@ def drafter_block(mtp: dict) -> list[str]:
            "| depth | online acceptance, rejection sampling [Wilson 95%] | drafts verified | "
            "teacher-forced, reach-weighted | teacher-forced, unweighted | positions |",
            "|---|---|---|---|---|---|"]
-  for k, (a, n, (lo, hi)) in enumerate(zip(online["acceptance"], online["attempted"],
-                                          online["interval"]), 1):
-    lines.append(f"| {k} | {a:.3f} [{lo:.3f}, {hi:.3f}] | {n} | {tf['alpha'][k - 1]:.3f} | "
-                 f"{tf['alpha_unweighted'][k - 1]:.3f} | {int(tf['positions'][k - 1])} |")
-  tpf = ", ".join(f"{mode} {ev['tokens_per_target_forward']:.2f}"
+  for k in range(len(online["acceptance"])):
+    lo, hi = online["interval"][k]
+    lines.append(f"| {k + 1} | {b.num(online['acceptance'][k], fmt='.3f')} "
+                 f"[{b.num(lo, fmt='.3f')}, {b.num(hi, fmt='.3f')}] | "
+                 f"{b.num(online['attempted'][k], fmt='.0f')} | "
+                 f"{b.num(tf['alpha'][k], fmt='.3f')} | "
+                 f"{b.num(tf['alpha_unweighted'][k], fmt='.3f')} | "
+                 f"{b.num(tf['positions'][k], fmt='.0f')} |")
+  tpf = ", ".join(f"{mode} {b.num(ev['tokens_per_target_forward'], fmt='.2f')}"
                   for mode, ev in mtp["online"].items())
   return lines + ["", f"Tokens per target forward (at most 4): {tpf}."]
 
 
-def real_policy_block(s: dict, bench: dict | None) -> str:
+def real_policy_block(b: Block, s: Source, bench: Source | None) -> str:
   """The real policy: pass@1 before and after RL, its drafter, and wall clock by batch and
   temperature (speculative with rejection sampling against autoregressive decoding)."""
   rl = s["rl"]
-  lines = _pass_at_1_rows(rl) + [""] + drafter_block(s["mtp"])
+  lines = _pass_at_1_rows(b, rl) + [""] + drafter_block(b, s["mtp"])
   tpf = rl["tokens_per_target_forward_before"]["rejection"]
   tpf_after = rl["tokens_per_target_forward_after"]["rejection"]
-  lines += ["", f"Through RL (the drafter frozen) it earns {tpf:.2f} tokens per target forward "
-            f"before RL and {tpf_after:.2f} after (the RL stage's held-out evaluations, "
-            f"rejection sampling; `{SMOLLM2_COMMAND}`, its stages' times in docs/main_job.md). "
-            "Speculative "
+  lines += ["", f"Through RL (the drafter frozen) it earns {b.num(tpf, fmt='.2f')} tokens per "
+            f"target forward before RL and {b.num(tpf_after, fmt='.2f')} after (the RL stage's "
+            f"held-out evaluations, rejection sampling; `{SMOLLM2_COMMAND}`, its stages' times "
+            "in docs/main_job.md). Speculative "
             "(rejection sampling) against autoregressive decoding, one process: " + (
                 "the SFT policy with its trained drafter (the MTP stage's checkpoint), "
                 f"`{SMOLLM2_BENCH_COMMAND}`:" if bench else
@@ -275,52 +283,50 @@ def real_policy_block(s: dict, bench: dict | None) -> str:
                 "a few percent):"), "",
             "| batch | T | prompts | tokens per arm | wall clock spec. / AR | tokens per "
             "target forward | acceptance per depth |", "|---|---|---|---|---|---|---|"]
-  for r in (bench or s["decode"])["results" if bench else "benchmark"]:
-    if r["mode"] != "rejection":
+  rows = bench["results"] if bench else s["decode"]["benchmark"]
+  for r in rows:
+    if r["mode"].value != "rejection":
       continue
-    acc = ", ".join(f"{a:.2f}" for a in r["acceptance_online"])
-    lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['prompts']} | "
-                 f"{r['spec_tokens']} | {r['speedup']:.2f}x | "
-                 f"{r['tokens_per_target_forward']:.2f} | {acc} |")
+    acc = ", ".join(b.num(a, fmt=".2f") for a in r["acceptance_online"])
+    lines.append(f"| {r['batch'].value} | {r['temperature'].value:g} | "
+                 f"{b.num(r['prompts'], fmt='.0f')} | {b.num(r['spec_tokens'], fmt='.0f')} | "
+                 f"{b.num(r['speedup'], fmt='.2f')}x | "
+                 f"{b.num(r['tokens_per_target_forward'], fmt='.2f')} | {acc} |")
   return "\n".join(lines)
 
 
-def render(results_dir: str = RESULTS_DIR, main_job: str = MAIN_JOB) -> dict[str, str]:
+def _block(fn, *args) -> tuple[str, list]:
+  b = Block()
+  return b.text(fn(b, *args))
+
+
+def render_readme(results_dir: str = RESULTS_DIR, main_job: str = MAIN_JOB) -> dict:
+  """README.md's blocks: {name: (text, citations)}."""
   findings = load_findings(results_dir)
-  return {"claims": claims_block(findings), "findings": findings_block(findings),
-          "main_job": main_job_block(load_main_job(main_job)),
-          "real_policy": real_policy_block(
-              load_main_job(SMOLLM2_JOB),
-              load_main_job(SMOLLM2_BENCH) if os.path.exists(SMOLLM2_BENCH) else None)}
+  bench = load_main_job(SMOLLM2_BENCH) if os.path.exists(SMOLLM2_BENCH) else None
+  return {"claims": _block(claims_block, findings),
+          "findings": _block(findings_block, findings),
+          "main_job": _block(main_job_block, load_main_job(main_job)),
+          "real_policy": _block(real_policy_block, load_main_job(SMOLLM2_JOB), bench)}
 
 
-def render_results_page() -> dict[str, str]:
+def render_results_page() -> dict:
   """docs/results.md's generated blocks."""
-  return {"real_findings": real_findings_block(load_findings(REAL_RESULTS_DIR, REAL_FINDINGS))}
+  return {"real_findings": _block(real_findings_block,
+                                  load_findings(REAL_RESULTS_DIR, REAL_FINDINGS))}
 
 
-# ----------------------------------------------------------------------------- README
+def render() -> dict[str, str]:
+  """README.md's blocks, text only."""
+  return {name: text for name, (text, _) in render_readme().items()}
 
 
-def _pattern(name: str) -> re.Pattern:
-  return re.compile(rf"(<!-- generated:{name} -->\n)(?:(.*?)\n)?(<!-- /generated:{name} -->)",
-                    re.S)
+# Every document with generated blocks, and its renderer (docs/ pages: experiments/doc_blocks).
+DOCUMENTS = {"README.md": render_readme, "docs/results.md": render_results_page,
+             **doc_blocks.renderers()}
 
 
-def blocks_of(text: str) -> dict[str, str]:
-  """{name: the block's text} of every generated block in `text`."""
-  return {m.group(1): m.group(2) or "" for m in re.finditer(
-      r"<!-- generated:(\w+) -->\n(?:(.*?)\n)?<!-- /generated:\1 -->", text, re.S)}
-
-
-def with_blocks(text: str, blocks: dict[str, str], what: str = "README.md") -> str:
-  for name, body in blocks.items():
-    pattern = _pattern(name)
-    if not pattern.search(text):
-      raise ValueError(f"{what} has no <!-- generated:{name} --> block")
-    text = pattern.sub(
-        lambda m, body=body: m.group(1) + (body + "\n" if body else "") + m.group(3), text)
-  return text
+# ----------------------------------------------------------------------------- the CLI
 
 
 def main(argv: list[str]) -> int:
@@ -340,25 +346,36 @@ def main(argv: list[str]) -> int:
     shutil.copyfile(os.path.join(workdir, "summary.json"), target)
     print(f"copied {workdir}/summary.json to {os.path.relpath(target, REPO)}")
     return 0
+  texts, manifest = doc_numbers.render_all(DOCUMENTS)
   stale = 0
-  for path, blocks in ((README, render()), (RESULTS_PAGE, render_results_page())):
-    name = os.path.relpath(path, REPO)
+  for doc, blocks in texts.items():
+    path = os.path.join(REPO, doc)
     with open(path) as f:
       text = f.read()
-    if path == RESULTS_PAGE and "<!-- generated:real_findings -->" not in text:
+    if doc == "docs/results.md" and "<!-- generated:real_findings -->" not in text:
       # reproduce.py --scale=laptop rewrites the page whole: the section goes back at its end.
       text = (text.rstrip("\n") + "\n\n" + REAL_SECTION +
               "\n<!-- generated:real_findings -->\n<!-- /generated:real_findings -->\n")
-    new = with_blocks(text, blocks, name)
+    new = doc_numbers.with_blocks(text, blocks, doc)
     if "--write" in argv:
       with open(path, "w") as f:
         f.write(new)
-      print(f"{name}: generated blocks written")
+      print(f"{doc}: generated blocks written")
     elif new != text:
-      print(f"{name}'s generated blocks are stale: python experiments/key_results.py --write")
+      print(f"{doc}'s generated blocks are stale: python experiments/key_results.py --write")
       stale = 1
     else:
-      print(f"{name}'s generated blocks are current")
+      print(f"{doc}'s generated blocks are current")
+  manifest_text = json.dumps(manifest, indent=1, ensure_ascii=False) + "\n"
+  old = open(doc_numbers.MANIFEST).read() if os.path.exists(doc_numbers.MANIFEST) else None
+  if "--write" in argv:
+    with open(doc_numbers.MANIFEST, "w") as f:
+      f.write(manifest_text)
+    n = sum(len(c) for blocks in manifest.values() for c in blocks.values())
+    print(f"{os.path.relpath(doc_numbers.MANIFEST, REPO)}: {n} cited numbers")
+  elif old != manifest_text:
+    print("docs/numbers.json is stale: python experiments/key_results.py --write")
+    stale = 1
   return stale
 
 
