@@ -285,6 +285,12 @@ def _policy_line(s: dict) -> str:
           "Everything below was measured in this run on held-out prompts.")
 
 
+def _interval(row: dict) -> str:
+  """A benchmark row's 95% interval over passes, " [lo, hi]" (empty for one pass)."""
+  ci = row.get("speedup_ci95")
+  return f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+
+
 def render_report(s: dict, plots: dict[str, str]) -> str:
   fmt = lambda xs: "-" if xs is None else " / ".join(f"{x:.3f}" for x in xs)
   d, e = s["decode"], s["eval"]
@@ -339,7 +345,8 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
             "comes from its prefill).", "",
             f"![acceptance by depth](plots/{os.path.basename(plots['acceptance_by_depth'])})",
             "", "## Speed against autoregressive decoding", "",
-            "| batch | prompts | mode | AR tok/s | speculative tok/s | speedup | tok/fwd | "
+            "| batch | prompts | mode | AR tok/s | speculative tok/s | speedup [95% over passes] "
+            "| tok/fwd | "
             "online | teacher-forced at visited frontiers |",
             "|---|---|---|---|---|---|---|---|---|"]
   for r in d["benchmark"]:
@@ -348,7 +355,7 @@ def render_report(s: dict, plots: dict[str, str]) -> str:
       mode += f" @{r['draft_vocab']}"
     lines.append(f"| {r['batch']} | {r['prompts']} | {mode} | "
                  f"{r['ar_tokens_per_s']:.0f} | {r['spec_tokens_per_s']:.0f} | "
-                 f"{r['speedup']:.2f}x | {r['tokens_per_target_forward']:.2f} | "
+                 f"{r['speedup']:.2f}x{_interval(r)} | {r['tokens_per_target_forward']:.2f} | "
                  f"{fmt(r['acceptance_online'])} | {fmt(r['acceptance_teacher_forced'])} |")
   if "adaptive" in d:
     a = d["adaptive"]

@@ -5,9 +5,11 @@ loops over the same held-out prompts (all tasks mixed; a batch of 1 decodes them
 another), the speed ratio, tokens per target forward, and per-depth acceptance online and
 teacher-forced at the visited frontiers (the self-consistency diagnostic). Both loops stop at
 end of sequence or end of a tool call (one policy turn). Each loop is compiled and warmed up
-before timing; passes of the loops are interleaved and the best of `repeats` is kept.
-Used by experiments/bench_decode.py and
-the evaluation stage.
+before timing; the passes of the loops are interleaved in alternating order, and the speed
+ratio is the geometric mean of the passes' ratios with its 95% interval over passes
+(`timed_passes`, `speed_ratio`; `meets_protocol` says whether a row meets the protocol of
+every published wall-clock figure: MIN_REPEATS passes over MIN_PROMPTS prompts, MIN_TOKENS
+tokens per arm). Used by experiments/bench_decode.py and the evaluation stage.
 
 `run_episode_benchmark` times whole agentic episodes instead (policy turns with the tool
 environment in the loop, decoding.multi_turn): speculative episodes against autoregressive
@@ -70,26 +72,70 @@ def tokens_per_forward_by_task(outputs, tasks: list[str]) -> dict[str, float]:
           for t in sorted(set(tasks))}
 
 
-def best_times(fns: dict, batches, repeats: int) -> dict:
-  """{name: (best total seconds over `repeats` passes over all batches, outputs of the last
-  pass)}. Every function is compiled and warmed up on every bucket first; the passes are
-  interleaved (one pass of each function per round), so a drift in machine speed hits all
-  of them alike instead of biasing the ratio."""
+# The protocol every wall-clock figure meets (`meets_protocol`): the arms of a comparison run in
+# one process, interleaved in alternating order, over at least MIN_REPEATS timed passes, each
+# pass over at least MIN_PROMPTS prompts, and each arm generates at least MIN_TOKENS tokens over
+# its passes; the ratio is reported with its 95% interval over the passes.
+MIN_REPEATS, MIN_PROMPTS, MIN_TOKENS = 3, 64, 4000
+
+
+@dataclasses.dataclass
+class Passes:
+  """An arm's timed passes: seconds and generated tokens of each, and the outputs of the
+  last one."""
+  seconds: list[float]
+  tokens: list[int]
+  outputs: list
+
+
+def _tokens(outputs) -> int:
+  return sum(int(np.asarray(o.lengths).sum()) for o in outputs)
+
+
+def timed_passes(fns: dict, batches, repeats: int) -> dict[str, Passes]:
+  """{name: its `Passes`}. Every function is compiled and warmed up on every bucket first;
+  then `repeats` rounds each time one pass of every function over all batches, in the given
+  order in even rounds and the reverse in odd ones, so neither a drift in machine speed nor
+  a position in the round favours an arm. Pass r of every arm uses the same keys."""
   shapes = {}
   for tokens, lengths in batches:
     shapes.setdefault(tokens.shape, (tokens, lengths))
   for fn in fns.values():
     for tokens, lengths in shapes.values():  # compile + warm up every bucket
       jax.block_until_ready(fn(tokens, lengths, 0))
-  best = {name: float("inf") for name in fns}
-  outs = {}
+  out = {name: Passes([], [], []) for name in fns}
   for r in range(repeats):
-    for name, fn in fns.items():
+    for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
       start = time.perf_counter()
-      outs[name] = [jax.block_until_ready(fn(tokens, lengths, 1000 * r + i))
-                    for i, (tokens, lengths) in enumerate(batches)]
-      best[name] = min(best[name], time.perf_counter() - start)
-  return {name: (best[name], outs[name]) for name in fns}
+      outputs = [jax.block_until_ready(fns[name](tokens, lengths, 1000 * r + i))
+                 for i, (tokens, lengths) in enumerate(batches)]
+      out[name].seconds.append(time.perf_counter() - start)
+      out[name].tokens.append(_tokens(outputs))
+      out[name].outputs = outputs
+  return out
+
+
+def speed_ratio(arm: Passes, baseline: Passes) -> dict:
+  """`arm`'s tokens/s over `baseline`'s, pass by pass (pass r of both ran in round r):
+  {"speedup": the geometric mean of the passes' ratios, "ci95": its Student-t 95% interval
+  over passes (None with one pass), "repeats"}."""
+  log_ratios = np.log([(ta / sa) / (tb / sb) for sa, ta, sb, tb in zip(
+      arm.seconds, arm.tokens, baseline.seconds, baseline.tokens)])
+  n = len(log_ratios)
+  out = {"speedup": float(np.exp(log_ratios.mean())), "ci95": None, "repeats": n}
+  if n >= 2:
+    from scipy import stats  # pylint: disable=g-import-not-at-top  (a dependency of jax)
+    half = stats.t.ppf(0.975, n - 1) * log_ratios.std(ddof=1) / np.sqrt(n)
+    out["ci95"] = [float(np.exp(log_ratios.mean() - half)),
+                   float(np.exp(log_ratios.mean() + half))]
+  return out
+
+
+def meets_protocol(row: dict) -> bool:
+  """Whether a benchmark row's ratio meets the protocol (MIN_REPEATS, MIN_PROMPTS,
+  MIN_TOKENS above)."""
+  return (row["repeats"] >= MIN_REPEATS and row["prompts"] >= MIN_PROMPTS and
+          min(row["ar_tokens"], row["spec_tokens"]) >= MIN_TOKENS)
 
 
 def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, max_new,
@@ -150,27 +196,29 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
                       draft_vocab=None if ids is None else jax.numpy.asarray(ids)))
         return fns
 
-      timed = best_times(loops(max_new), batches, repeats)
-      fixed = ({name: seconds for name, (seconds, _) in
-                best_times(loops(1), batches, repeats).items()} if split_fixed_cost else None)
-      ar_time, ar = timed.pop("autoregressive")
+      timed = timed_passes(loops(max_new), batches, repeats)
+      fixed = ({name: float(np.mean(p.seconds)) for name, p in
+                timed_passes(loops(1), batches, repeats).items()} if split_fixed_cost else None)
+      ar_passes = timed.pop("autoregressive")
+      ar = ar_passes.outputs
       if adaptive_settings is not None:
         release_compiled()  # the fixed-K loops are not used again (see release_compiled)
         timed.update(_adaptive_round(graphdef, state, batches, timed, k_drafter=k_drafter,
                                      params=params, max_new=max_new, stop=stop,
                                      repeats=repeats, settings=adaptive_settings,
                                      draft_vocabs=draft_vocabs))
-      ar_tokens = sum(int(np.asarray(o.lengths).sum()) for o in ar)
       ar_forwards = sum(int(o.target_forwards) for o in ar)
       num_rows = len(batches) * b
       for (mode, label, k), measured in timed.items():
-        stats = None
+        stats, baseline = None, ar_passes
         if k == "adaptive":
-          sp_time, ar_round_time, sp, stats = measured
-          sp_time *= ar_time / ar_round_time  # in the first round's autoregressive time
+          passes, baseline, stats = measured  # against its own round's autoregressive passes
         else:
-          sp_time, sp = measured
-        sp_tokens = sum(int(np.asarray(o.lengths).sum()) for o in sp)
+          passes = measured
+        sp = passes.outputs
+        ratio = speed_ratio(passes, baseline)
+        ar_tokens, sp_tokens = sum(baseline.tokens), sum(passes.tokens)
+        ar_time, sp_time = sum(baseline.seconds), sum(passes.seconds)
         att = sum(np.asarray(o.attempted).sum(0) for o in sp)
         acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
         if draft_vocabs[label] is None:
@@ -185,15 +233,19 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
             **({} if k is None else {"k": k}),
             "ar_tokens_per_s": ar_tokens / ar_time,
             "spec_tokens_per_s": sp_tokens / sp_time,
-            "speedup": (sp_tokens / sp_time) / (ar_tokens / ar_time),
+            "speedup": ratio["speedup"], "speedup_ci95": ratio["ci95"],
+            "repeats": ratio["repeats"],
             "tokens_per_target_forward": speculative.tokens_per_target_forward(
                 np.concatenate([np.asarray(o.emitted_by_forwards) for o in sp]),
                 np.concatenate([np.asarray(o.row_forwards) for o in sp])),
             "tokens_per_target_forward_by_task": tokens_per_forward_by_task(sp, row_tasks),
             "acceptance_online": (acc / np.maximum(att, 1)).tolist(),
             "acceptance_teacher_forced": teacher_forced,
+            # Over all timed passes (per pass under "passes").
             "ar_seconds": ar_time, "spec_seconds": sp_time,
             "ar_tokens": ar_tokens, "spec_tokens": sp_tokens,
+            "passes": {"ar_seconds": baseline.seconds, "spec_seconds": passes.seconds,
+                       "ar_tokens": baseline.tokens, "spec_tokens": passes.tokens},
             "ar_target_forwards": ar_forwards,
             "spec_target_forwards": sum(int(o.target_forwards) for o in sp),
         }
@@ -202,15 +254,18 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
                      segment_overhead_s=stats["segment_overhead_s"],
                      start_cost_s=stats["start_cost_s"], prefill_s=stats["prefill_s"],
                      call_residual_s=stats["call_residual_s"],
-                     adaptive_seed=stats["seed"], spec_seconds_own_round=stats["seconds"],
-                     ar_seconds_own_round=stats["ar_seconds"])
+                     adaptive_seed=stats["seed"])
+        row["meets_protocol"] = meets_protocol(row)
         if fixed is not None and (mode, label, k) in fixed:
-          # Tokens after the first of each row, over the time after the fixed cost.
-          ar_rate = (ar_tokens - num_rows) / max(ar_time - fixed["autoregressive"], 1e-9)
-          sp_rate = (sp_tokens - num_rows) / max(sp_time - fixed[(mode, label, k)], 1e-9)
+          # Tokens after the first of each row, over the time after the fixed cost (per pass).
+          n = row["repeats"]
+          ar_rate = (ar_tokens / n - num_rows) / max(ar_time / n - fixed["autoregressive"],
+                                                     1e-9)
+          sp_rate = (sp_tokens / n - num_rows) / max(sp_time / n - fixed[(mode, label, k)],
+                                                     1e-9)
           row.update(ar_fixed_seconds=fixed["autoregressive"],
                      spec_fixed_seconds=fixed[(mode, label, k)],
-                     ar_fixed_share=fixed["autoregressive"] / ar_time,
+                     ar_fixed_share=fixed["autoregressive"] / (ar_time / n),
                      decode_phase_speedup=sp_rate / ar_rate)
         results.append(row)
         print(format_row(row), flush=True)
@@ -224,15 +279,14 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
 def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_new, stop,
                     repeats, settings, draft_vocabs) -> dict:
   """Adaptive decoding's measurements for `run_benchmark`: per (mode, draft vocabulary), a
-  second `best_times` round of the autoregressive loop and adaptive decoding, seeded with
+  second `timed_passes` round of the autoregressive loop and adaptive decoding, seeded with
   the online acceptance of that mode's fixed-K row of the most drafts in `timed`.
-  {(mode, label, "adaptive"): (seconds, autoregressive seconds of this round, outputs,
-  stats)}."""
+  {(mode, label, "adaptive"): (its Passes, this round's autoregressive Passes, stats)}."""
   most = {}  # (mode, label) -> (K, outputs) of its row with the most drafts
-  for (mode, label, k), (_, sp) in timed.items():
+  for (mode, label, k), passes in timed.items():
     k = k_drafter if k is None else k
     if k > most.get((mode, label), (0, None))[0]:
-      most[(mode, label)] = (k, sp)
+      most[(mode, label)] = (k, passes.outputs)
   out = {}
   for (mode, label), (_, sp) in most.items():
     att = sum(np.asarray(o.attempted).sum(0) for o in sp)
@@ -254,7 +308,7 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
         graphdef, state, tokens, lengths, jax.random.key(rng_seed), max_new_tokens=max_new,
         cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop),
            "adaptive": run}
-    round_ = best_times(fns, batches, repeats)
+    round_ = timed_passes(fns, batches, repeats)
     release_compiled()  # this mode's programs are not used again
     last = stats[-len(batches):]  # the last pass's calls
     k_iterations = {}
@@ -262,14 +316,12 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
       for kk, n in st.k_iterations.items():
         k_iterations[str(kk)] = k_iterations.get(str(kk), 0) + n
     out[(mode, label, "adaptive")] = (
-        round_["adaptive"][0], round_["autoregressive"][0], round_["adaptive"][1],
+        round_["adaptive"], round_["autoregressive"],
         {"k_iterations": dict(sorted(k_iterations.items())), "seed": seed,
          "cost_table": last[0].table.to_json(),
          "segment_overhead_s": last[0].to_json()["segment_overhead_s"],
          **{key: last[-1].to_json()[key] for key in ("start_cost_s", "prefill_s",
-                                                      "call_residual_s")},
-         "seconds": round_["adaptive"][0],
-         "ar_seconds": round_["autoregressive"][0]})
+                                                      "call_residual_s")}})
   return out
 
 
@@ -315,15 +367,19 @@ def format_row(r: dict) -> str:
            if "decode_phase_speedup" in r else "")
   mode = (r["mode"] + (f" @{r['draft_vocab']}" if "draft_vocab" in r else "") +
           (f" K={r['k']}" if "k" in r else ""))
+  ci = r.get("speedup_ci95")
+  ci = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
   return (f"| {r['batch']:>5} | {r['prompts']:>3} | {r['temperature']:>4g} | {mode:<12} | "
           f"{r['ar_tokens_per_s']:>9.1f} | {r['spec_tokens_per_s']:>9.1f} | "
-          f"{r['speedup']:>5.2f}x | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |"
+          f"{r['speedup']:>5.2f}x{ci} | {r.get('repeats', 1)} | {r['ar_tokens']} / "
+          f"{r['spec_tokens']} | {r['tokens_per_target_forward']:>5.2f} | {acc} | {tf} |"
           + split)
 
 
 def header(split_fixed_cost: bool = False) -> str:
   """The markdown header of `format_row`'s table."""
-  names = ["batch", "prompts", "temp", "mode", "AR tok/s", "spec tok/s", "ratio", "tok/fwd",
+  names = ["batch", "prompts", "temp", "mode", "AR tok/s", "spec tok/s",
+           "ratio [95% over passes]", "passes", "tokens AR / spec", "tok/fwd",
            "acceptance online", "teacher-forced"]
   if split_fixed_cost:
     names += ["AR fixed share", "decode-phase ratio"]
@@ -359,7 +415,7 @@ def best_episode_times(loops: dict, environments, repeats: int) -> dict:
 
   Every loop first runs one untimed warm-up pass: the same prompts and key as the timed
   passes, so it compiles every prompt, reply and context bucket they visit. The timed passes
-  are interleaved (one pass of each loop per round), as in `best_times`. Each pass includes
+  are interleaved (one pass of each loop per round), as in `timed_passes`. Each pass includes
   the environment calls and the host work between turns.
   """
   for fn in loops.values():
