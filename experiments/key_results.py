@@ -329,6 +329,20 @@ DOCUMENTS = {"README.md": render_readme, "docs/results.md": render_results_page,
 # ----------------------------------------------------------------------------- the CLI
 
 
+def _manifest_text(manifest: dict) -> str:
+  """docs/numbers.json: one line per cited number."""
+  lines = ["{"]
+  for i, (doc, blocks) in enumerate(manifest.items()):
+    lines.append(f" {json.dumps(doc)}: {{")
+    for j, (name, cited) in enumerate(blocks.items()):
+      lines.append(f"  {json.dumps(name)}: [")
+      lines += [f"   {json.dumps(c, ensure_ascii=False)}" + ("," if k < len(cited) - 1 else "")
+                for k, c in enumerate(cited)]
+      lines.append("  ]" + ("," if j < len(blocks) - 1 else ""))
+    lines.append(" }" + ("," if i < len(manifest) - 1 else ""))
+  return "\n".join(lines + ["}"]) + "\n"
+
+
 def main(argv: list[str]) -> int:
   if len(argv) > 1 and argv[1].startswith("--join_bench="):
     parts = [json.load(open(p)) for p in argv[1].split("=", 1)[1].split(",")]
@@ -366,7 +380,7 @@ def main(argv: list[str]) -> int:
       stale = 1
     else:
       print(f"{doc}'s generated blocks are current")
-  manifest_text = json.dumps(manifest, indent=1, ensure_ascii=False) + "\n"
+  manifest_text = _manifest_text(manifest)
   old = open(doc_numbers.MANIFEST).read() if os.path.exists(doc_numbers.MANIFEST) else None
   if "--write" in argv:
     with open(doc_numbers.MANIFEST, "w") as f:

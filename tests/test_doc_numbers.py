@@ -125,3 +125,21 @@ def test_the_pages_hold_no_hand_written_measurement():
       found[page] = numbers
   assert not found, ("measured-looking numbers outside generated blocks (render them in a "
                      f"block from their artifact, experiments/doc_blocks): {found}")
+
+
+@pytest.mark.parametrize("page", ["docs/results.md", "docs/results_real.md"])
+def test_the_results_pages_are_the_sections_of_their_findings_json(page):
+  """reproduce.py writes each results page whole; each finding's section on it is what its
+  json beside the page (docs/results*/<finding>.json) renders, so the page is not edited by
+  hand or stale."""
+  from bebop_jax.findings import common  # pylint: disable=g-import-not-at-top
+  assets = os.path.splitext(os.path.basename(page))[0]
+  with open(os.path.join(REPO, page)) as f:
+    text = f.read()
+  names = sorted(p for p in os.listdir(os.path.join(REPO, "docs", assets)) if p.endswith(".json"))
+  assert len(names) >= 4
+  for name in names:
+    with open(os.path.join(REPO, "docs", assets, name)) as f:
+      finding = common.Finding(**json.load(f))
+    section = common.section_markdown(finding, figure_dir=assets)
+    assert section in text, f"{page}'s section of {name} is not what its json renders"

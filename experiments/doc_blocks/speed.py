@@ -1,0 +1,120 @@
+"""docs/speed.md's generated blocks: the learner step (docs/artifacts/bench_train.json and
+bench_train_rl_packing.json, `experiments/bench_train.py`), the laptop main job's stage
+times (docs/artifacts/main_job_laptop.json) and the cost of a speculative iteration
+(docs/artifacts/profile_speculative.json, `experiments/profile_speculative.py`). Every number
+is read from the artifact. FLOP/s and bytes are printed in e-notation (2.59e+11 FLOP/s)."""
+
+from __future__ import annotations
+
+from experiments.doc_blocks import main_job
+from experiments.doc_numbers import Block, Source
+
+DOCUMENT = "docs/speed.md"
+BENCH_TRAIN = "docs/artifacts/bench_train.json"
+RL_PACKING = "docs/artifacts/bench_train_rl_packing.json"
+LAPTOP = "docs/artifacts/main_job_laptop.json"
+PROFILE = "docs/artifacts/profile_speculative.json"
+
+
+def learner_step_block(b: Block) -> str:
+  src = Source(BENCH_TRAIN)
+  res = src["results"]
+  lines = ["| stage | path | step (s), median | min | model FLOP/s | of matmul | temp bytes |",
+           "|---|---|---|---|---|---|---|"]
+  labels = (("old", "dense reference"), ("new", "blockwise + remat"))
+  for stage in ("sft", "mtp"):
+    r = res[stage]
+    for key, label in labels:
+      p = r[key]
+      lines.append(f"| {stage} | {label} | {b.num(p['step_s_median'], fmt='.3f')} | "
+                   f"{b.num(p['step_s_min'], fmt='.3f')} | "
+                   f"{b.num(p['model_flops_per_s'], fmt='.2e')} | "
+                   f"{b.num(p['flops_utilization'], fmt='.1%')} | "
+                   f"{b.num(p['temp_bytes'], fmt='.2e')} |")
+    lines.append(f"| {stage} | reference / blockwise | {b.num(r['speedup'], fmt='.2f')}x | "
+                 f"{b.num(r['speedup_of_min'], fmt='.2f')}x | | | "
+                 f"{b.num(r['temp_memory_ratio'], fmt='.3f')} of the reference |")
+  lines += ["", f"The matmul calibration of this run (`matmul_flops_per_s`, the \"of matmul\" "
+            f"denominator): {b.num(src['matmul_flops_per_s'], fmt='.2e')} FLOP/s. The SFT step "
+            f"keeps {b.num(res['sft']['temp_memory_ratio'], fmt='.0%')} of the reference's "
+            f"temporary memory, the MTP step {b.num(res['mtp']['temp_memory_ratio'], fmt='.0%')}."]
+  return "\n".join(lines)
+
+
+def rl_learner_block(b: Block) -> str:
+  runs = (("default baseline (`bench_train.json`)", Source(BENCH_TRAIN),
+           "a row per rollout, dense reference"),
+          ("`--baseline=` (`bench_train_rl_packing.json`)", Source(RL_PACKING),
+           "a row per rollout, blockwise + remat"))
+  lines = ["| run | path | update call (s), median | min | positions filled | temp bytes |",
+           "|---|---|---|---|---|---|"]
+  diffs = []
+  for label, src, baseline in runs:
+    r = src["results"]["rl"]
+    for i, (key, path) in enumerate((("old", baseline), ("new", "packed, blockwise + remat"))):
+      p = r[key]
+      lines.append(f"| {label if i == 0 else ''} | {path} | "
+                   f"{b.num(p['step_s_median'], fmt='.3f')} | {b.num(p['step_s_min'], fmt='.3f')}"
+                   f" | {b.num(p['fill'], fmt='.0%')} | {b.num(p['temp_bytes'], fmt='.2e')} |")
+    lines.append(f"| | unpacked / packed | {b.num(r['speedup'], fmt='.2f')}x | "
+                 f"{b.num(r['speedup_of_min'], fmt='.2f')}x | | "
+                 f"{b.num(r['temp_memory_ratio'], fmt='.3f')} of the unpacked |")
+    diffs.append(b.num(r["first_loss_abs_diff"], fmt=".1e"))
+  lines += ["", f"The two paths' first losses agree to {diffs[0]} in the first run and "
+            f"{diffs[1]} in the second (`first_loss_abs_diff`, float32)."]
+  return "\n".join(lines)
+
+
+def main_job_time_block(b: Block) -> str:
+  s = Source(LAPTOP)
+  rl = s["rl"]
+  notes = {
+      "sft": f"{s['sft']['steps'].value} steps at "
+             f"{b.num(s['sft']['steady_step_time_s'], fmt='.2f')} s per steady-state step, "
+             "with dataset preparation",
+      "rl": f"{rl['steps'].value} steps in {b.num(rl['timing']['step_s'], fmt='.0f')} s: "
+            f"rollouts {b.num(rl['timing']['rollout_s'], fmt='.0f')} s, policy updates "
+            f"{b.num(rl['timing']['learner_s'], fmt='.0f')} s"}
+  lines = [f"The matmul calibration of that run (`sft.matmul_flops_per_s`) was "
+           f"{b.num(s['sft']['matmul_flops_per_s'], fmt='.2e')} FLOP/s.", "",
+           *main_job._stage_table(b, s, notes)]
+  return "\n".join(lines)
+
+
+def iteration_block(b: Block) -> str:
+  src = Source(PROFILE)
+  loops, parts, steps = src["loops"], src["parts"], src["parts_in_ar_steps"]
+  lines = [
+      f"The policy: {src['model'].value} (the artifact's `model`); prompts padded to "
+      f"{src['prompt_len'].value} tokens, generations of at most {src['max_new_tokens'].value} "
+      "tokens; seconds per step or per call:", "",
+      "| measurement | seconds | autoregressive steps |", "|---|---|---|",
+      f"| an autoregressive step, in the loop | {b.num(loops['ar_step_s'], fmt='.6f')} | 1 |",
+      f"| the iteration, in the loop | {b.num(loops['iteration_s'], fmt='.6f')} | "
+      f"{b.num(loops['iteration_in_ar_steps'], fmt='.2f')} |",
+      f"| verify forward over K + 1 = 4 tokens | {b.num(parts['verify_forward_s'], fmt='.6f')} | "
+      f"{b.num(steps['verify_forward_in_ar_steps'], fmt='.2f')} |",
+      f"| the K = 3 draft depths over their windows, with sampling | "
+      f"{b.num(parts['drafts_s'], fmt='.6f')} | {b.num(steps['drafts_in_ar_steps'], fmt='.2f')} |",
+      f"| the rest (verification, commit, gathers, scatters) | | "
+      f"{b.num(src['rest_of_iteration_in_ar_steps'], fmt='.2f')} |",
+      f"| prefill of the prompt bucket ({src['prompt_len'].value} tokens), per call | "
+      f"{b.num(parts['prefill_s'], fmt='.6f')} | "
+      f"{b.num(steps['prefill_in_ar_steps'], fmt='.2f')} |",
+      "",
+      f"With {b.num(loops['tokens_per_target_forward'], fmt='.2f')} tokens per target forward, "
+      f"the decoding phase runs at {b.num(loops['decode_phase_ratio'], fmt='.2f')}x the "
+      f"autoregressive loop and the whole call at {b.num(loops['end_to_end_ratio'], fmt='.2f')}x,"
+      f" since the per-call fixed cost is {b.num(loops['fixed_share_of_ar'], fmt='.0%')} of the "
+      "autoregressive time."]
+  return "\n".join(lines)
+
+
+def render() -> dict[str, tuple[str, list]]:
+  blocks = {"learner_step": learner_step_block, "rl_learner": rl_learner_block,
+            "main_job_time": main_job_time_block, "iteration": iteration_block}
+  out = {}
+  for name, fn in blocks.items():
+    b = Block()
+    out[name] = b.text(fn(b))
+  return out
