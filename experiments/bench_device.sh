@@ -3,6 +3,7 @@
 # minutes there. --tiny runs the same steps at test sizes on CPU (a test covers it).
 #
 #   bash experiments/bench_device.sh [--tiny] [--out=DIR] [--init_from=WORKDIR]
+#                                    [--smollm2_from=WORKDIR]
 #
 # Steps, each a separate process under its own time limit (a failed or timed-out step is
 # reported and the others still run):
@@ -12,6 +13,11 @@
 #                      forward costs, the fixed cost per call, autoregressive tokens/s.
 #   decode_quickstart  the quickstart policy: its trained checkpoint when --init_from holds
 #                      one (sft + mtp stages), else a random policy of its shape.
+#   decode_smollm2     SmolLM2-135M-Instruct with its trained drafter, from the workdir of
+#                      `python -m bebop_jax.main --config=configs/smollm2.py` given as
+#                      --smollm2_from (skipped without it): batch 1/8/64 under the decode
+#                      benchmarks' protocol (3 interleaved passes over 128 prompts, the ratio
+#                      with its 95% interval over passes), the same rows as on two CPU cores.
 #   tv_kernel          bench_tv_kernel.py at V = 151,936: the backend's Pallas kernel
 #                      against xla_blockwise and the dense reference.
 #   train              bench_train.py: the learner step, blockwise + remat against dense.
@@ -23,18 +29,22 @@ cd "$(dirname "$0")/.."
 TINY=0
 OUT=runs/bench_device
 INIT_FROM=""
+SMOLLM2_FROM=""
 for arg in "$@"; do
   case "$arg" in
     --tiny) TINY=1 ;;
     --out=*) OUT="${arg#--out=}" ;;
     --init_from=*) INIT_FROM="${arg#--init_from=}" ;;
+    --smollm2_from=*) SMOLLM2_FROM="${arg#--smollm2_from=}" ;;
     *) echo "bench_device.sh: unknown argument '$arg'; allowed: --tiny, --out=DIR," \
-            "--init_from=WORKDIR" >&2; exit 2 ;;
+            "--init_from=WORKDIR, --smollm2_from=WORKDIR" >&2; exit 2 ;;
   esac
 done
-if [[ -n "$INIT_FROM" && ! -d "$INIT_FROM" ]]; then
-  echo "bench_device.sh: --init_from=$INIT_FROM is not a directory" >&2; exit 2
-fi
+for dir in "$INIT_FROM" "$SMOLLM2_FROM"; do
+  if [[ -n "$dir" && ! -d "$dir" ]]; then
+    echo "bench_device.sh: $dir (--init_from / --smollm2_from) is not a directory" >&2; exit 2
+  fi
+done
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
 
@@ -46,6 +56,9 @@ if (( TINY )); then
   TV=(--vocab_sizes=1024 --rows=32 --repeats=2)
   TRAIN=(--config=configs/sft_tiny.py --stages=sft --steps=2)
   RL=(--steps=3 --eval_every=3 --eval_examples=4 --warmup=1)
+  DECODE_SMOLLM2=(--batch_sizes=1 --max_new_tokens=8 --num_prompts=2 --split_fixed_cost=false
+                  --repeats=2)
+  REPEATS=1
   LIMIT=120
 else
   DECODE_BIG=(--config=configs/bench_device.py:qwen3_0p6b --batch_sizes=1,8,64
@@ -55,9 +68,11 @@ else
   TV=(--vocab_sizes=151936 --rows=512,2048 --repeats=5)
   TRAIN=(--config=configs/quickstart.py --steps=20)
   RL=(--steps=12 --eval_every=12 --eval_examples=32 --warmup=2)
+  DECODE_SMOLLM2=(--batch_sizes=1,8,64 --max_new_tokens=64 --num_prompts=128 --repeats=3)
+  REPEATS=3  # the decode benchmarks' protocol (benchmark.meets_protocol)
   LIMIT=150
 fi
-DECODE_COMMON=(--temperatures=1 --modes=rejection --repeats=1)
+DECODE_COMMON=(--temperatures=1 --modes=rejection --repeats="$REPEATS")
 
 step() {  # step NAME COMMAND...: run under the time limit, record rc and seconds
   local name="$1"; shift
@@ -78,6 +93,13 @@ else
 fi
 step decode_quickstart python experiments/bench_decode.py --config="$QS_CONFIG" \
   "${QS_SOURCE[@]}" "${DECODE_QS[@]}" "${DECODE_COMMON[@]}" --out="$OUT/decode_quickstart.json"
+if [[ -n "$SMOLLM2_FROM" ]]; then
+  LIMIT=$(( LIMIT * 3 )) step decode_smollm2 python experiments/bench_decode.py --config=configs/smollm2.py \
+    --workdir="$SMOLLM2_FROM" --policy=mtp --temperatures=1 --modes=rejection \
+    "${DECODE_SMOLLM2[@]}" --out="$OUT/decode_smollm2.json"
+else
+  printf 'decode_smollm2\tskipped\t0\n' >> "$OUT/steps.tsv"
+fi
 step tv_kernel python -m experiments.bench_tv_kernel "${TV[@]}" --out="$OUT/tv_kernel.json"
 step train python experiments/bench_train.py "${TRAIN[@]}" --out="$OUT/train.json"
 if [[ -n "$INIT_FROM" ]]; then

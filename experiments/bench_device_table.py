@@ -15,7 +15,7 @@ from absl import app, flags
 
 _DIR = flags.DEFINE_string("dir", "runs/bench_device", "bench_device.sh's output directory.")
 
-STEPS = ("decode_qwen3_0p6b", "decode_quickstart", "tv_kernel", "train", "rl")
+STEPS = ("decode_qwen3_0p6b", "decode_quickstart", "decode_smollm2", "tv_kernel", "train", "rl")
 
 
 def read_steps(directory: str) -> dict[str, dict]:
@@ -41,13 +41,16 @@ def rows(directory: str) -> tuple[list[str], dict]:
   """(table lines, results by step)."""
   results = {}
   lines = ["| step | what | figure | value |", "|---|---|---|---|"]
-  for name in ("decode_qwen3_0p6b", "decode_quickstart"):
+  for name in ("decode_qwen3_0p6b", "decode_quickstart", "decode_smollm2"):
     r = results[name] = _load(directory, f"{name}.json")
     for row in (r or {}).get("results", []):
       what = f"{r['model']}, batch {row['batch']}, T={row['temperature']:g}, {row['mode']}"
       lines.append(f"| {name} | {what} | AR tokens/s | {row['ar_tokens_per_s']:.1f} |")
-      lines.append(f"| {name} | {what} | speculative tokens/s (ratio) | "
-                   f"{row['spec_tokens_per_s']:.1f} ({row['speedup']:.2f}x) |")
+      ci = row.get("speedup_ci95")
+      ci = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+      lines.append(f"| {name} | {what} | speculative tokens/s (ratio [95% over "
+                   f"{row.get('repeats', 1)} passes]) | "
+                   f"{row['spec_tokens_per_s']:.1f} ({row['speedup']:.2f}x{ci}) |")
       lines.append(f"| {name} | {what} | tokens per target forward | "
                    f"{row['tokens_per_target_forward']:.2f} |")
       if "decode_phase_speedup" in row:

@@ -24,6 +24,7 @@ def test_tiny_mode_runs_every_step_and_writes_one_table(tmp_path):
   for name in ("decode_qwen3_0p6b", "decode_quickstart", "tv_kernel", "train"):
     assert steps[name]["status"] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
   assert steps["rl"]["status"] == "skipped"  # needs --init_from
+  assert steps["decode_smollm2"]["status"] == "skipped"  # needs --smollm2_from
   results = report["results"]
   for name in ("decode_qwen3_0p6b", "decode_quickstart"):
     rows = results[name]["results"]
@@ -41,4 +42,6 @@ def test_tiny_mode_runs_every_step_and_writes_one_table(tmp_path):
 def test_unknown_argument_is_a_clear_error(tmp_path):
   proc = _run("--gpu", f"--out={tmp_path}")
   assert proc.returncode == 2
-  assert "unknown argument '--gpu'" in proc.stderr and "--tiny" in proc.stderr
+  assert "unknown argument '--gpu'" in proc.stderr and "--smollm2_from" in proc.stderr
+  proc = _run(f"--smollm2_from={tmp_path}/missing", f"--out={tmp_path}")
+  assert proc.returncode == 2 and "is not a directory" in proc.stderr
