@@ -17,7 +17,9 @@ Two measurements, one process:
    dispatch is not counted): an autoregressive step (a 1-token forward and sampling), the
    verification forward over K + 1 tokens, the K draft depths over their windows with
    sampling, and the remainder of the iteration (verification, commit, gathers and
-   scatters) as the loop's cost minus those parts. The prefill of the prompt is timed too.
+   scatters) as the loop's cost minus those parts. The prefill of the prompt is timed too,
+   and one sample over the whole vocabulary: the loops' sampler (sampling.sample) and
+   Gumbel-max (jax.random.categorical).
 
 The model is the workdir's MTP-stage policy when there is one, else its SFT policy, else a
 random policy of the config's shape (--random_init forces that).
@@ -49,6 +51,10 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per generation at mos
 _PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts generated one after another.")
 _REPEATS = flags.DEFINE_integer("repeats", 200, "Repetitions inside each part's loop.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed rounds per measurement (best kept).")
+_DRAFT_VOCAB = flags.DEFINE_enum(
+    "draft_vocab", "stored", ["stored", "full"],
+    "Draft from the reduced vocabulary stored with the workdir's drafter (stored; the whole "
+    "head when it has none) or from the whole head (full).")
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 
 
@@ -62,7 +68,8 @@ def _best(fn, rounds: int) -> float:
   return best
 
 
-def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int) -> dict:
+def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int,
+               draft_vocab=None) -> dict:
   """The real loops' per-token and per-iteration seconds after their per-call fixed cost.
 
   The iteration's cost is measured on generations forced to max_new tokens (no stop token):
@@ -84,7 +91,8 @@ def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int) -
                                               jax.random.key(i), **kw))
         else:
           outs.append(speculative.generate(graphdef, state, tokens, lengths,
-                                           jax.random.key(i), mode="rejection", **kw))
+                                           jax.random.key(i), mode="rejection",
+                                           draft_vocab=draft_vocab, **kw))
       return outs
     return go
 
@@ -122,13 +130,15 @@ def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int) -
 
 
 def part_costs(graphdef, state, prompt_len: int, *, cache_length: int, repeats: int,
-               rounds: int) -> dict:
+               rounds: int, draft_vocab=None) -> dict:
   """Seconds of each part of an iteration, repeated inside one jitted loop, batch 1."""
   model = nnx.merge(graphdef, state)
   c = model.config
   k, window = c.num_draft_steps, c.num_draft_steps + 1
   params = sampling.SamplingParams(temperature=1.0)
   w = model.loop_weights()
+  draft_head = None if draft_vocab is None else jnp.take(w["shared"]["head"], draft_vocab,
+                                                         axis=1)
   tokens = jnp.ones((1, prompt_len), jnp.int32)
   cache0 = model.init_cache(1, cache_length)
   pos = jnp.full((1,), prompt_len, jnp.int32)
@@ -155,13 +165,25 @@ def part_costs(graphdef, state, prompt_len: int, *, cache_length: int, repeats: 
     start = pos - window + 1
     at = jnp.full((1,), window - 1, jnp.int32)
     key, sub = sampling.split_rows(key, 2)
-    noise = jax.vmap(lambda r: jax.random.gumbel(r, (k, c.vocab_size)))(sub)  # [1, K, V]
+    u = jax.vmap(lambda r: jax.random.uniform(r, (k,)))(sub)  # [1, K]
     h_prev = h
     for depth in range(1, k + 1):
-      q, h_prev, cache = model.mtp_step(cache, depth, h_prev, toks, start, at, weights=w)
-      d = sampling.sample_with_noise(noise[:, depth - 1], sampling.sampling_logprobs(q, params))
+      q, h_prev, cache = model.mtp_step(cache, depth, h_prev, toks, start, at, weights=w,
+                                        draft_head=draft_head)
+      d = sampling.categorical(u[:, depth - 1], jnp.exp(sampling.sampling_logprobs(q, params)))
       toks = toks.at[:, -1].set(d.astype(jnp.int32))
     return cache, h, toks, key
+
+  def sample_body(draw):  # one token from [1, V] log-probs (a token's update keeps it live)
+    def body(x):
+      logp, key = x
+      key, sub = sampling.split_rows(key, 2)
+      tok = draw(sub, logp)
+      return logp.at[jnp.arange(1), tok].add(-1e-6), key
+    return body
+
+  gumbel = lambda keys, logp: jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+  logp0 = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (1, c.vocab_size)))
 
   def prefill():
     return model.prefill(model.init_cache(1, cache_length), tokens, weights=w)
@@ -175,6 +197,10 @@ def part_costs(graphdef, state, prompt_len: int, *, cache_length: int, repeats: 
       "drafts": repeated(draft_body, lambda: (fresh(), jnp.zeros((1, window, c.d_model),
                                                                  c.compute_dtype),
                                               jnp.ones((1, window), jnp.int32), key)),
+      # The sampler of every decoding loop (sampling.sample: inverse CDF from one uniform)
+      # against Gumbel-max (jax.random.categorical), one row over the whole vocabulary.
+      "sample": repeated(sample_body(sampling.sample), lambda: (logp0, key)),
+      "sample_gumbel_max": repeated(sample_body(gumbel), lambda: (logp0, key)),
   }
   out = {}
   for name, (fn, make) in parts.items():
@@ -192,25 +218,31 @@ def main(argv):
   # Held-out prompts padded to their buckets (a loop compiles once per bucket, before timing).
   prompts = benchmark.prompt_batches(config, 1, _PROMPTS.value)
   p = int(np.median([t.shape[1] for t, _ in prompts]))  # the parts' prompt bucket
+  stored = (mtp.stored_draft_vocabulary(_WORKDIR.value)
+            if _WORKDIR.value and not _RANDOM.value and _DRAFT_VOCAB.value == "stored" else None)
+  draft_vocab = None if stored is None else jnp.asarray(stored, jnp.int32)
   loops = loop_costs(config, graphdef, state, prompts, max_new=_NEW.value,
-                     rounds=_ROUNDS.value)
+                     rounds=_ROUNDS.value, draft_vocab=draft_vocab)
   parts = part_costs(graphdef, state, p, cache_length=p + _NEW.value + 8,
-                     repeats=_REPEATS.value, rounds=_ROUNDS.value)
+                     repeats=_REPEATS.value, rounds=_ROUNDS.value, draft_vocab=draft_vocab)
   ar = parts["ar_step_s"]
   parts_in_ar = {k[:-len("_s")] + "_in_ar_steps": v / ar for k, v in parts.items()}
   rest = loops["iteration_in_ar_steps"] * loops["ar_step_s"] - parts["verify_forward_s"] \
       - parts["drafts_s"]
   report = {"model": source, "device": jax.devices()[0].device_kind, "prompt_len": p,
-            "max_new_tokens": _NEW.value, "loops": loops, "parts": parts,
+            "max_new_tokens": _NEW.value,
+            "draft_vocab": None if stored is None else int(stored.shape[0]),
+            "loops": loops, "parts": parts,
             "parts_in_ar_steps": parts_in_ar,
             "rest_of_iteration_in_ar_steps": rest / loops["ar_step_s"]}
   print(f"model: {source}; loops: {len(prompts)} held-out prompts, at most {_NEW.value} new "
-        f"tokens; parts: prompt bucket {p}; batch 1")
+        f"tokens; parts: prompt bucket {p}; batch 1; drafting from "
+        + ("the whole head" if stored is None else f"{stored.shape[0]} tokens"))
   print(f"| measurement | seconds | in AR steps |\n|---|---|---|")
   print(f"| AR step (in the loop) | {loops['ar_step_s'] * 1e3:.3f} ms | 1 |")
   print(f"| speculative iteration (in the loop) | {loops['iteration_s'] * 1e3:.3f} ms | "
         f"{loops['iteration_in_ar_steps']:.2f} |")
-  for name in ("ar_step", "verify_forward", "drafts", "prefill"):
+  for name in ("ar_step", "verify_forward", "drafts", "sample", "sample_gumbel_max", "prefill"):
     print(f"| part: {name} | {parts[name + '_s'] * 1e3:.3f} ms | "
           f"{parts_in_ar[name + '_in_ar_steps']:.2f} |")
   print(f"| part: rest of the iteration | {rest * 1e3:.3f} ms | "

@@ -54,25 +54,55 @@ def sampling_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return jax.nn.log_softmax(x, axis=-1)
 
 
-def entropy(logits: jax.Array) -> jax.Array:
-  """Entropy (nats) of softmax(logits) over the last axis, float32."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def entropy(logits: jax.Array, params: SamplingParams | None = None,
+            logprobs: jax.Array | None = None) -> jax.Array:
+  """Entropy (nats) of softmax(logits) over the last axis, float32. `logprobs`, the sampling
+  log-probabilities of the same logits under `params` (sampling_logprobs), are reused when
+  those params leave the distribution as it is (temperature 1, no top-k, no top-p)."""
+  identity = (params is not None and params.temperature == 1.0 and params.top_k == 0
+              and params.top_p == 1.0)
+  logp = logprobs if identity and logprobs is not None else jax.nn.log_softmax(
+      logits.astype(jnp.float32), axis=-1)
   return -jnp.sum(jnp.exp(logp) * jnp.where(jnp.isfinite(logp), logp, 0.0), axis=-1)
 
 
 def sample(keys: jax.Array, logprobs: jax.Array) -> jax.Array:
   """One token per row from log-probabilities [B, V] with one key per row (so a row's sample
   does not depend on the batch it is in)."""
-  return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys, logprobs).astype(
-      jnp.int32)
+  u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
+  return categorical(u, jnp.exp(logprobs))
 
 
-def sample_with_noise(gumbel: jax.Array, logprobs: jax.Array) -> jax.Array:
-  """argmax(logprobs + gumbel) over the last axis: a sample of softmax(logprobs) given
-  standard Gumbel noise of the same shape (the Gumbel-max trick). Lets a loop draw the noise
-  of several samples with one call to the PRNG: on CPU each call is a rolled threefry loop of
-  dozens of tiny ops, which dominates a small model's decode step."""
-  return jnp.argmax(logprobs + gumbel, axis=-1).astype(jnp.int32)
+_BLOCK = 256  # categorical's block of the vocabulary
+
+
+def categorical(u: jax.Array, weights: jax.Array) -> jax.Array:
+  """One sample per row of unnormalised non-negative weights [B, V] (int32 [B]) given one
+  uniform per row, u [B] in [0, 1): the inverse of the cumulative distribution, in two
+  levels (the first block of 256 entries whose running mass exceeds u times the total, then
+  the entry inside it). A token of weight 0 is never returned (float cumulative sums of
+  non-negative terms never decrease; a rounding overshoot falls back to the last entry of
+  positive weight).
+
+  One uniform per row instead of a Gumbel variate per entry (jax.random.categorical): on CPU
+  the PRNG's threefry rounds for every entry and Gumbel-max's logarithms cost more than the
+  rest of a sample at a large vocabulary (experiments/profile_speculative.py measures both);
+  this costs a sum and a short cumulative sum per block."""
+  b, v = weights.shape
+  nb = -(-v // _BLOCK)
+  w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, nb * _BLOCK - v)))
+  w = w.reshape(b, nb, _BLOCK)
+  mass = jnp.sum(w, axis=-1)  # [B, nb]
+  cum = jnp.cumsum(mass, axis=-1)
+  goal = u.astype(jnp.float32) * cum[:, -1]
+  last = lambda positive: positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+  blk = jnp.minimum(jnp.sum(cum <= goal[:, None], axis=-1), last(mass > 0))
+  before = jnp.where(blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None],
+                                                  axis=-1)[:, 0], 0.0)
+  inner = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]  # [B, BLOCK]
+  pos = jnp.sum(jnp.cumsum(inner, axis=-1) <= (goal - before)[:, None], axis=-1)
+  pos = jnp.minimum(pos, last(inner > 0))
+  return (blk * _BLOCK + pos).astype(jnp.int32)
 
 
 def row_keys(rng: jax.Array, batch: int) -> jax.Array:
@@ -100,6 +130,6 @@ def append_sample(out, logits: jax.Array, key: jax.Array, active: jax.Array,
       tokens=out.tokens.at[rows, slot].set(tok, mode="drop"),
       policy_mask=out.policy_mask.at[rows, slot].set(True, mode="drop"),
       logprobs=out.logprobs.at[rows, slot].set(logp[rows, tok], mode="drop"),
-      entropy=out.entropy.at[rows, slot].set(entropy(logits), mode="drop"),
+      entropy=out.entropy.at[rows, slot].set(entropy(logits, params, logp), mode="drop"),
       lengths=out.lengths + active)
   return out, tok

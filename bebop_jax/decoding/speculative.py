@@ -204,7 +204,6 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None, k=None,
   if draft_vocab is not None:  # the sub-head, sliced once before the loop
     head = (w if w is not None else model.decode_weights())["shared"]["head"]
     draft_head = jnp.take(head, draft_vocab, axis=1)
-  q_vocab = vocab if draft_vocab is None else draft_vocab.shape[0]
   turn_start = s.out.lengths
 
   def cond(s: DecodeState):
@@ -212,10 +211,8 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None, k=None,
 
   def body(s: DecodeState):
     rng, verify_key, draft_key = sampling.split_rows(s.rng, 3)
-    # The Gumbel noise of all K draft samples in one PRNG call (see sample_with_noise).
-    draft_noise = jax.vmap(lambda key: jax.random.gumbel(key, (k, q_vocab)))(draft_key)
-    if not isinstance(mode, str):  # an index into SAMPLED_MODES: greedy_draft drafts argmax q
-      draft_noise = draft_noise * jnp.where(mode == _GREEDY_DRAFT, 0.0, 1.0)
+    # The uniforms of all K draft samples in one PRNG call (sampling.categorical).
+    draft_u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(draft_key)
     n = s.frontier
     cache = s.cache
     # 1. Draft through the MTP chain over each row's window. Depth k at window position
@@ -234,11 +231,11 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None, k=None,
                                                ext[:, depth:depth + window], start, at_n,
                                                weights=w, draft_head=draft_head)
       q_logp = sampling.sampling_logprobs(q_logits, params)
-      if isinstance(mode, str):  # "exact"
-        d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
-      else:  # argmax(q_logp + 0) = argmax q for greedy_draft, a sample of q otherwise
-        d = sampling.sample_with_noise(draft_noise[:, depth - 1], q_logp)
       q = jnp.exp(q_logp)
+      d = jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
+      if not isinstance(mode, str):  # an index into SAMPLED_MODES: greedy_draft drafts argmax q
+        d = jnp.where(mode == _GREEDY_DRAFT, d,
+                      sampling.categorical(draft_u[:, depth - 1], q))
       if draft_vocab is not None:  # back to token ids; q is 0 off the draft vocabulary
         d = draft_vocab[d]
         q = jnp.zeros((b, vocab), q.dtype).at[:, draft_vocab].set(q)
@@ -269,7 +266,7 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None, k=None,
     valid = idx < count[:, None]
     slots = jnp.where(valid, o.lengths[:, None] + idx, max_new_tokens)  # dropped if invalid
     emitted_logp = jnp.take_along_axis(t_logp, emitted[..., None], axis=-1)[..., 0]
-    emitted_ent = sampling.entropy(t_logits)
+    emitted_ent = sampling.entropy(t_logits, params, t_logp)
     # Depth j decides emitted token j-1, so it counts as attempted (accepted) only when that
     # token is emitted: drafts past a stop token or the length limit decide nothing.
     depth_idx = jnp.arange(k_state)[None, :]

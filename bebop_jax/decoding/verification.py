@@ -27,36 +27,27 @@ Modes, each preserving the target distribution exactly:
                 the first mismatch (or of the bonus). Equals greedy decoding token for token.
 
 `mode` is a name of MODES, or a traced int32 index into SAMPLED_MODES (the modes of
-temperature > 0): then both verification rules are computed and the index selects one, so a
-decoding loop compiled once serves every sampled mode (speculative.py).
+temperature > 0): a switch runs the selected rule only, so a decoding loop compiled once
+serves every sampled mode (speculative.py).
+
+Only the distribution a row samples its next token from is built over the vocabulary (the
+residual of its first rejected depth, or the bonus); acceptance needs the on-path
+probabilities alone, except block verification's h_i (a sum over the vocabulary per depth).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from bebop_jax.decoding import sampling
+
 MODES = ("rejection", "greedy_draft", "strict", "block", "exact")
 SAMPLED_MODES = MODES[:4]  # the modes a traced index selects; exact needs temperature 0
-_BLOCK = SAMPLED_MODES.index("block")
 _TINY = 1e-30
 _HUGE = 1e30
-
-
-def _by_mode(mode, rule):
-  """rule(mode) for a mode name; for a traced index into SAMPLED_MODES, rejection's rule or
-  the one greedy_draft and strict share, selected elementwise."""
-  if isinstance(mode, str):
-    return rule(mode)
-  return jnp.where((mode == SAMPLED_MODES.index("rejection")) | (mode == _BLOCK),
-                   rule("rejection"), rule("greedy_draft"))
-
-
-def _categorical(gumbel: jax.Array, probs: jax.Array) -> jax.Array:
-  """One sample per row of unnormalised non-negative weights [B, V] given standard Gumbel
-  noise [B, V] (Gumbel-max)."""
-  logits = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, _TINY)), -jnp.inf)
-  return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
 
 
 def _on_path(draft_tokens: jax.Array, probs: jax.Array) -> jax.Array:
@@ -95,8 +86,6 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array,
                      target_probs: jax.Array, mode: str) -> jax.Array:
   """[B, K] probability of accepting each draft given that all earlier ones were accepted
   (token-wise modes; block verification decides jointly: block_weights)."""
-  if not isinstance(mode, str):
-    return _by_mode(mode, lambda m: acceptance_probs(draft_tokens, draft_probs, target_probs, m))
   p = _on_path(draft_tokens, target_probs)
   if mode in ("rejection", "block"):
     q = _on_path(draft_tokens, draft_probs)
@@ -117,16 +106,14 @@ def residual_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs
   """[B, K, V] the (unnormalised) distribution to sample from after rejecting draft j."""
   k = draft_tokens.shape[1]
   p = target_probs[:, :k]
-  if isinstance(mode, str) and mode == "exact":
+  if mode == "exact":
     return jax.nn.one_hot(jnp.argmax(p, -1), p.shape[-1], dtype=p.dtype)
-  if isinstance(mode, str) and mode not in SAMPLED_MODES:
+  if mode in ("rejection", "block"):  # block: the token-wise rule's (block_residual_probs)
+    res = jnp.maximum(p - draft_probs, 0.0)
+  elif mode in ("greedy_draft", "strict"):
+    res = jnp.where(jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=bool), 0.0, p)
+  else:
     raise ValueError(f"mode={mode!r} is not allowed: one of {MODES}")
-
-  def residual(m):
-    if m in ("rejection", "block"):  # block: the token-wise rule's (block_residual_probs)
-      return jnp.maximum(p - draft_probs, 0.0)
-    return jnp.where(jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=bool), 0.0, p)
-  res = _by_mode(mode, residual)
   # p == q cannot reject; guard the all-zero row anyway by falling back to p.
   return jnp.where(jnp.sum(res, -1, keepdims=True) > 0, res, p)
 
@@ -182,36 +169,51 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
   target_probs = target_probs.astype(jnp.float32)
   draft_tokens = draft_tokens.astype(jnp.int32)
   keys = _row_keys(rng, b)
-  # All of a row's randomness in one PRNG call: K acceptance uniforms, then the Gumbel noise
-  # of the next-token sample (minval tiny keeps the logs finite).
-  v = target_probs.shape[-1]
-  u = jax.vmap(lambda key: jax.random.uniform(
-      key, (k + v,), minval=jnp.finfo(jnp.float32).tiny))(keys)
-  uniforms, gumbel = u[:, :k], -jnp.log(-jnp.log(u[:, k:]))
-  tokenwise = not (isinstance(mode, str) and mode == "block")
-  joint = not isinstance(mode, str) or mode == "block"
-  if tokenwise:
-    accept = uniforms < acceptance_probs(draft_tokens, draft_probs, target_probs, mode)
-    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
-    residuals = residual_probs(draft_tokens, draft_probs, target_probs, mode)
-  if joint:
+  # All of a row's randomness in one PRNG call: K acceptance uniforms, then the uniform of
+  # the next-token sample (sampling.categorical).
+  u = jax.vmap(lambda key: jax.random.uniform(key, (k + 1,)))(keys)
+  uniforms = u[:, :k]
+  args = (uniforms, draft_tokens, draft_probs, target_probs)
+  if isinstance(mode, str):
+    num_accepted, chosen = _decide(mode, *args)
+  else:  # a traced index: only the selected rule runs
+    mode = jnp.asarray(mode, jnp.int32)
+    if mode.ndim:
+      raise ValueError(f"a traced mode is one index into SAMPLED_MODES, not shape {mode.shape}")
+    num_accepted, chosen = jax.lax.switch(
+        mode, [functools.partial(_decide, m) for m in SAMPLED_MODES], *args)
+  return num_accepted, sampling.categorical(u[:, k], chosen)
+
+
+def _decide(mode: str, uniforms: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
+            target_probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(num_accepted [B] int32, the unnormalised distribution [B, V] of the next token) under
+  the named `mode`, given the K acceptance uniforms [B, K]. Only the distribution the row
+  samples from is built: the residual at its first rejection, or the bonus p_{K+1}."""
+  k = draft_tokens.shape[1]
+  if mode == "block":
     w, h = block_weights(draft_tokens, draft_probs, target_probs)
     # The block ends at the deepest i with eta_i <= h_i (0 when there is none).
     depth = jnp.arange(1, k + 1, dtype=jnp.int32)
-    tau = jnp.max(jnp.where(uniforms <= h, depth, 0), axis=1)
-    block_res = block_residual_probs(w, draft_probs, target_probs)
-    if tokenwise:  # a traced mode index: select elementwise
-      num_accepted = jnp.where(mode == _BLOCK, tau, num_accepted)
-      residuals = jnp.where(mode == _BLOCK, block_res, residuals)
-    else:
-      num_accepted, residuals = tau, block_res
-  # Row a of [residuals..., bonus] is the distribution of the token after a accepted drafts.
+    num_accepted = jnp.max(jnp.where(uniforms <= h, depth, 0), axis=1)
+  else:
+    accept = uniforms < acceptance_probs(draft_tokens, draft_probs, target_probs, mode)
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+  num_accepted = num_accepted.astype(jnp.int32)
+  # The residual of the first rejected depth j (clipped to K - 1 when all K are accepted,
+  # where the bonus is chosen instead), as a K = 1 slice of every input.
+  j = jnp.minimum(num_accepted, k - 1)[:, None]
+  row = lambda x: jnp.take_along_axis(x, j[..., None], axis=1)  # [B, 1, V]
+  p_j, q_j = row(target_probs), row(draft_probs)
+  if mode == "block":
+    residual = block_residual_probs(jnp.take_along_axis(w, j, axis=1), q_j, p_j)
+  else:
+    residual = residual_probs(jnp.take_along_axis(draft_tokens, j, axis=1), q_j, p_j, mode)
   bonus = bonus_probs(target_probs)
-  if isinstance(mode, str) and mode == "exact":
+  if mode == "exact":
     bonus = jax.nn.one_hot(jnp.argmax(bonus, -1), bonus.shape[-1], dtype=bonus.dtype)
-  after = jnp.concatenate([residuals, bonus], axis=1)
-  chosen = jnp.take_along_axis(after, num_accepted[:, None, None], axis=1)[:, 0]
-  return num_accepted.astype(jnp.int32), _categorical(gumbel, chosen)
+  chosen = jnp.where((num_accepted == k)[:, None, None], bonus, residual)
+  return num_accepted, chosen[:, 0]
 
 
 def expected_accepted(alphas: jax.Array) -> jax.Array:
