@@ -14,6 +14,7 @@ BENCH_TRAIN = "docs/artifacts/bench_train.json"
 RL_PACKING = "docs/artifacts/bench_train_rl_packing.json"
 LAPTOP = "docs/artifacts/main_job_laptop.json"
 PROFILE = "docs/artifacts/profile_speculative.json"
+SMOLLM2_PROFILE = "docs/artifacts/smollm2_profile_speculative.json"
 
 
 def learner_step_block(b: Block) -> str:
@@ -81,9 +82,12 @@ def main_job_time_block(b: Block) -> str:
   return "\n".join(lines)
 
 
-def iteration_block(b: Block) -> str:
-  src = Source(PROFILE)
+def iteration_block(b: Block, path: str = PROFILE) -> str:
+  src = Source(path)
   loops, parts, steps = src["loops"], src["parts"], src["parts_in_ar_steps"]
+  vocab = src.get("draft_vocab")
+  drafts = ("" if vocab is None or vocab.value is None
+            else f", from a reduced vocabulary of {vocab.value} tokens")
   lines = [
       f"The policy: {src['model'].value} (the artifact's `model`); prompts padded to "
       f"{src['prompt_len'].value} tokens, generations of at most {src['max_new_tokens'].value} "
@@ -94,13 +98,20 @@ def iteration_block(b: Block) -> str:
       f"{b.num(loops['iteration_in_ar_steps'], fmt='.2f')} |",
       f"| verify forward over K + 1 = 4 tokens | {b.num(parts['verify_forward_s'], fmt='.6f')} | "
       f"{b.num(steps['verify_forward_in_ar_steps'], fmt='.2f')} |",
-      f"| the K = 3 draft depths over their windows, with sampling | "
+      f"| the K = 3 draft depths over their windows, with sampling{drafts} | "
       f"{b.num(parts['drafts_s'], fmt='.6f')} | {b.num(steps['drafts_in_ar_steps'], fmt='.2f')} |",
       f"| the rest (verification, commit, gathers, scatters) | | "
       f"{b.num(src['rest_of_iteration_in_ar_steps'], fmt='.2f')} |",
       f"| prefill of the prompt bucket ({src['prompt_len'].value} tokens), per call | "
       f"{b.num(parts['prefill_s'], fmt='.6f')} | "
       f"{b.num(steps['prefill_in_ar_steps'], fmt='.2f')} |",
+      *([f"| one sample over the whole vocabulary: `sampling.sample` (inverse CDF) | "
+         f"{b.num(parts['sample_s'], fmt='.6f')} | "
+         f"{b.num(steps['sample_in_ar_steps'], fmt='.3f')} |",
+         f"| the same by Gumbel-max (`jax.random.categorical`) | "
+         f"{b.num(parts['sample_gumbel_max_s'], fmt='.6f')} | "
+         f"{b.num(steps['sample_gumbel_max_in_ar_steps'], fmt='.3f')} |"]
+        if "sample_s" in parts else []),
       "",
       f"With {b.num(loops['tokens_per_target_forward'], fmt='.2f')} tokens per target forward, "
       f"the decoding phase runs at {b.num(loops['decode_phase_ratio'], fmt='.2f')}x the "
@@ -112,7 +123,8 @@ def iteration_block(b: Block) -> str:
 
 def render() -> dict[str, tuple[str, list]]:
   blocks = {"learner_step": learner_step_block, "rl_learner": rl_learner_block,
-            "main_job_time": main_job_time_block, "iteration": iteration_block}
+            "main_job_time": main_job_time_block, "iteration": iteration_block,
+            "iteration_smollm2": lambda b: iteration_block(b, SMOLLM2_PROFILE)}
   out = {}
   for name, fn in blocks.items():
     b = Block()
