@@ -357,12 +357,6 @@ def smollm2_pass_block(b: Block) -> str:
   return "\n".join(_pass_at_1_table(b, rl, "64 prompts per task") + ["", _significance(b, rl)])
 
 
-def smollm2_speed_block(b: Block) -> str:
-  rows = Source(SMOLLM2)["decode"]["benchmark"]
-  return "\n".join(_speed_table(b, rows) + [
-      "", _speed_verdict(rows) + " in this run's one timed pass."])
-
-
 def render() -> dict[str, tuple[str, list]]:
   blocks = {"durations": durations_block, "quickstart_time": quickstart_time_block,
             "quickstart_rl": quickstart_rl_block, "quickstart_drafter": quickstart_drafter_block,
@@ -372,7 +366,7 @@ def render() -> dict[str, tuple[str, list]]:
             "laptop_acceptance": laptop_acceptance_block, "laptop_speed": laptop_speed_block,
             "laptop_entropy": laptop_entropy_block, "laptop_time": laptop_time_block,
             "smollm2_stages": smollm2_stages_block, "smollm2_goal": smollm2_goal_block,
-            "smollm2_pass": smollm2_pass_block, "smollm2_speed": smollm2_speed_block}
+            "smollm2_pass": smollm2_pass_block}
   out = {}
   for name, fn in blocks.items():
     b = Block()
