@@ -46,6 +46,7 @@ from bebop_jax.decoding import sampling
 
 MODES = ("rejection", "greedy_draft", "strict", "block", "exact")
 SAMPLED_MODES = MODES[:4]  # the modes a traced index selects; exact needs temperature 0
+_RULE = {"strict": "greedy_draft"}  # modes whose verification is another mode's rule
 _TINY = 1e-30
 _HUGE = 1e30
 
@@ -180,8 +181,11 @@ def verify(rng: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
     mode = jnp.asarray(mode, jnp.int32)
     if mode.ndim:
       raise ValueError(f"a traced mode is one index into SAMPLED_MODES, not shape {mode.shape}")
+    # greedy_draft and strict share their rule: one branch for both.
+    rules = ("rejection", "greedy_draft", "block")
+    branch = jnp.asarray([rules.index(_RULE.get(m, m)) for m in SAMPLED_MODES])[mode]
     num_accepted, chosen = jax.lax.switch(
-        mode, [functools.partial(_decide, m) for m in SAMPLED_MODES], *args)
+        branch, [functools.partial(_decide, m) for m in rules], *args)
   return num_accepted, sampling.categorical(u[:, k], chosen)
 
 
