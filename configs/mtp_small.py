@@ -2,7 +2,7 @@
 
   python -m bebop_jax.main --config=configs/mtp_small.py:loss=e2e_tv \
       --workdir=runs/mtp_small/e2e_tv
-  python -m bebop_jax.sweep --config=configs/mtp_small.py --workdir=runs/mtp_sweep  # get_sweep
+  python experiments/sweep.py --config=configs/mtp_small.py --workdir=runs/mtp_sweep  # get_sweep
   python experiments/sweep_mtp_losses.py --config=configs/mtp_small.py  # with seeds, a table
 
 Every loss trains from the same SFT checkpoint (mtp.init_from), with freshly initialised MTP

@@ -13,12 +13,17 @@ they share the machine's cores, so a split run there checks the split path's str
 measures no speed). It prints and writes (--workdir/bench_rl.{json,md}) the placement, the
 schedule, seconds per RL step, the rollout share, the time to a target held-out reward, the
 paired speedups with their 95% intervals, and the decode speedup with the Amdahl and overlap
-bounds next to the measured ratios (bebop_jax/bench_rl.py); the learner's compile time is
+bounds next to the measured ratios (experiments/rl_benchmark.py); the learner's compile time is
 reported apart. Teacher-forced diagnostics are off, so a step is rollouts + learner + weight
 sync only.
 """
 
 from __future__ import annotations
+
+import sys
+
+if __package__ in (None, ""):  # run as a script: the checkout's root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
 import os
@@ -33,7 +38,7 @@ _INIT = flags.DEFINE_string("init_from", None, "Workdir with the SFT/MTP stages 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (one subdirectory per arm).")
 _ARMS = flags.DEFINE_list("arms", ["autoregressive_sync", "autoregressive_async",
                                    "speculative_sync", "speculative_async"],
-                          "Arms to run, in the order of even blocks (bebop_jax.bench_rl."
+                          "Arms to run, in the order of even blocks (experiments.rl_benchmark."
                           "ALL_ARMS: also adaptive_sync, adaptive_async).")
 _STEPS = flags.DEFINE_integer("steps", 24, "RL steps per arm.")
 _BLOCK = flags.DEFINE_integer("block_steps", 8, "Steps per interleaved block; 0 (or >= "
@@ -64,7 +69,7 @@ def main(argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_SIM.value}").strip()
   import jax  # pylint: disable=g-import-not-at-top  # after XLA_FLAGS
-  from bebop_jax import bench_rl as bench  # pylint: disable=g-import-not-at-top
+  from experiments import rl_benchmark as bench  # pylint: disable=g-import-not-at-top
   from bebop_jax import stages  # pylint: disable=g-import-not-at-top
   config = _CONFIG.value
   init_from = _INIT.value or config.rl.init_from

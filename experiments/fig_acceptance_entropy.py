@@ -1,14 +1,20 @@
-r"""F1/F2: acceptance against policy entropy, rejection vs greedy_draft (bebop_jax/findings/acceptance_entropy.py).
+r"""F1/F2: acceptance against policy entropy, rejection vs greedy_draft (experiments/findings/acceptance_entropy.py).
 
   python experiments/fig_acceptance_entropy.py --scale=laptop --workdir=runs/reproduce
 
 Writes <workdir>/findings/acceptance_entropy*.{json,csv,md,png}; makes (or reuses) the stages it needs in
-<workdir> (bebop_jax/findings/common.py), the same ones experiments/reproduce.py uses.
+<workdir> (experiments/findings/common.py), the same ones experiments/reproduce.py uses.
 """
+
+import os  # pylint: disable=g-bad-import-order
+import sys
+
+if __package__ in (None, ""):  # run as a script: the checkout's root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app
 
-from bebop_jax.findings import cli
+from experiments.findings import cli
 
 if __name__ == "__main__":
   cli.define_flags(page=False)

@@ -5,9 +5,9 @@ r"""The MTP loss sweep with seeds: one MTP stage per (start, loss, seed), then a
   python experiments/sweep_mtp_losses.py --config=configs/laptop.py \
       --init_from=runs/laptop --starts=warm,scratch --seeds=3 --workdir=runs/sweep
 
-The config's get_sweep(arg) (bebop_jax.sweep: a list of override dicts) names the entries;
+The config's get_sweep(arg) (experiments.sweep: a list of override dicts) names the entries;
 without one, mtp.loss goes over bebop_jax.losses.mtp.LOSSES. This script adds seeds, warm
-and scratch starts and the aggregate table to a plain `python -m bebop_jax.sweep`. A seed (`mtp.seed`) changes the drafter's initialisation (from
+and scratch starts and the aggregate table to a plain `python experiments/sweep.py`. A seed (`mtp.seed`) changes the drafter's initialisation (from
 scratch) and the data order; every run starts from the same SFT checkpoint, trains on the
 same cached rollouts with the same budget and is evaluated on the same held-out prompts.
 Each run goes to <workdir>/<start>/<loss>/seed<k> and is skipped when complete (resumed when
@@ -19,6 +19,11 @@ and plots/sweep.png.
 
 from __future__ import annotations
 
+import sys
+
+if __package__ in (None, ""):  # run as a script: the checkout's root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import json
 import os
 
@@ -27,7 +32,7 @@ from absl import app, flags
 
 from bebop_jax import config as config_lib
 from bebop_jax import stages
-from bebop_jax.findings.common import mean_se as _mean_se
+from experiments.findings.common import mean_se as _mean_se
 from bebop_jax.losses.mtp import LOSSES
 
 _CONFIG = flags.DEFINE_string("config", "configs/mtp_small.py", "Experiment config file.")

@@ -100,7 +100,7 @@ class RLSource:
   workdir: str
 
   def config(self, **rl: Any):
-    from bebop_jax import bench_rl as bench  # pylint: disable=g-import-not-at-top
+    from experiments import rl_benchmark as bench  # pylint: disable=g-import-not-at-top
     return config_lib.validate(bench.apply_overrides(
         _rl_stage_config(self.data_dir, self.workdir), rl))
 

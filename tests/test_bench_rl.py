@@ -1,4 +1,4 @@
-"""The four-arm RL benchmark (bebop_jax.bench_rl) against hand computations: its arithmetic,
+"""The four-arm RL benchmark (experiments.rl_benchmark) against hand computations: its arithmetic,
 the paired intervals against scipy, the interleaved schedule, and run_arms' execution of it
 over a scripted stage (a pass over real arms is in test_rl.py)."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bebop_jax import bench_rl as bench
+from experiments import rl_benchmark as bench
 from bebop_jax import config as config_lib
 from bebop_jax.rl import stage
 

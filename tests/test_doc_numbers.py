@@ -132,7 +132,7 @@ def test_the_results_pages_are_the_sections_of_their_findings_json(page):
   """reproduce.py writes each results page whole; each finding's section on it is what its
   json beside the page (docs/results*/<finding>.json) renders, so the page is not edited by
   hand or stale."""
-  from bebop_jax.findings import common  # pylint: disable=g-import-not-at-top
+  from experiments.findings import common  # pylint: disable=g-import-not-at-top
   assets = os.path.splitext(os.path.basename(page))[0]
   with open(os.path.join(REPO, page)) as f:
     text = f.read()

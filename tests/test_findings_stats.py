@@ -1,11 +1,11 @@
-"""bebop_jax/findings/stats.py and the paired comparisons of the findings, against scipy and
+"""experiments/findings/stats.py and the paired comparisons of the findings, against scipy and
 numpy references written from the definitions."""
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from bebop_jax.findings import objectives, stats, through_rl
+from experiments.findings import objectives, stats, through_rl
 
 
 def test_t_interval_is_scipys_one_sample_and_paired_interval():

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from bebop_jax.findings import acceptance_entropy, common, results, rules
+from experiments.findings import acceptance_entropy, common, results, rules
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINDING_KEYS = {"name", "title", "claim", "verdict", "reason", "markdown", "data", "rows",

@@ -18,7 +18,7 @@ from bebop_jax.data import pipeline
 from bebop_jax.decoding import batching, speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
-from bebop_jax import bench_rl as bench
+from experiments import rl_benchmark as bench
 from bebop_jax.rl import learner, stage
 from bebop_jax.tasks import base
 from bebop_jax.train import checkpoint as checkpoint_lib

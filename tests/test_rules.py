@@ -1,4 +1,4 @@
-"""bebop_jax/findings/rules.py: every version decides as its text says, on hand-built
+"""experiments/findings/rules.py: every version decides as its text says, on hand-built
 results; old versions stay as they were; the page shows every version's verdict and a title
 computed from the verdicts."""
 
@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from bebop_jax.findings import acceptance_entropy, common, objectives, results, rules
-from bebop_jax.findings import through_rl
+from experiments.findings import acceptance_entropy, common, objectives, results, rules
+from experiments.findings import through_rl
 
 # The text of every version, pinned: an edit in place fails here; a change of rule is a new
 # version (add its hash), the old ones untouched.

@@ -1,4 +1,4 @@
-"""bebop_jax.sweep: get_sweep entries, printed commands that the main CLI accepts, the
+"""experiments.sweep: get_sweep entries, printed commands that the main CLI accepts, the
 tpu_vm launcher, and a local sweep that resumes after an interruption."""
 
 import json
@@ -14,7 +14,7 @@ from ml_collections import config_flags
 from bebop_jax import config as config_lib
 from bebop_jax import sharding
 from bebop_jax import stages
-from bebop_jax import sweep
+from experiments import sweep
 from bebop_jax.losses.mtp import LOSSES
 from bebop_jax.train import metrics as metrics_lib
 
@@ -23,7 +23,7 @@ MTP_SMALL = os.path.join(REPO, "configs", "mtp_small.py")
 
 
 def _print_commands(*args):
-  out = subprocess.run([sys.executable, "-m", "bebop_jax.sweep", f"--config={MTP_SMALL}",
+  out = subprocess.run([sys.executable, "-m", "experiments.sweep", f"--config={MTP_SMALL}",
                         "--workdir=/sweeps/mtp", "--print_commands", *args], cwd=REPO,
                        capture_output=True, text=True, check=True)
   return out.stdout.strip().splitlines()

@@ -7,7 +7,7 @@ update; placement.py puts the learner and the rollouts on one mesh or two sub-me
 async_loop.py is the weight store and the rollout thread of asynchronous RL; stage.py is the
 `rl` stage of bebop_jax.main; aot.py compiles both RL programs ahead of time on a
 (simulated) split pod. The four-arm speed benchmark, which runs the stage, is
-bebop_jax/bench_rl.py.
+experiments/rl_benchmark.py.
 """
 
 from bebop_jax.rl.algorithms import (ADVANTAGE_MODES, AGGREGATIONS, advantages,

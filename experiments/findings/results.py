@@ -2,7 +2,7 @@
 
 The page: a title and a summary line computed from the verdicts, the command, the scale and
 the hardware, a table of the paper's claims against our verdicts (with the version of each
-verdict rule, bebop_jax/findings/rules.py), then one section per finding with its verdict,
+verdict rule, experiments/findings/rules.py), then one section per finding with its verdict,
 its rule (and the verdicts of the rule's older versions), its tables and figures. The figures and each
 finding's json and csv files are copied next to the page, under <page dir>/results/.
 """
@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import jax
 
 from bebop_jax.decoding import benchmark
-from bebop_jax.findings import acceptance_entropy, common, objectives, speedup, through_rl
+from experiments.findings import acceptance_entropy, common, objectives, speedup, through_rl
 
 # Script name -> the function that makes its findings, in the order they depend on each other
 # (F3 trains the drafters F4 and F1/F2's entropy RL run start from).
@@ -125,7 +125,7 @@ def write_page(ctx: common.Context, findings: Sequence[common.Finding], path: st
         if f.rule else ""
     lines.append(f"| [{f.title}](#{_anchor(f.title)}) | {f.claim} | **{f.verdict}** | {rule} | "
                  f"{older or 'none'} |")
-  lines += ["", "Each verdict is decided by a rule written in `bebop_jax/findings/rules.py`; a "
+  lines += ["", "Each verdict is decided by a rule written in `experiments/findings/rules.py`; a "
             "rule that changed keeps its older versions, and each section shows their verdicts "
             "on the same data."]
   lines += ["", "Seconds per stage: " + ", ".join(f"{k} {v:.0f}" for k, v in ledger.items()) +

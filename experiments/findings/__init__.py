@@ -8,7 +8,7 @@
   acceptance_entropy.py  F1/F2: acceptance against policy entropy, rejection vs greedy_draft
   objectives.py          F3: the MTP objectives ce / kl / tv / e2e_tv per task over seeds
   through_rl.py          F4: drafter acceptance through RL, frozen / online / periodic
-  speedup.py             the four-arm RL speed table (bebop_jax.bench_rl)
+  speedup.py             the four-arm RL speed table (experiments.rl_benchmark)
   results.py             docs/results.md from the findings' outputs, with verdicts, each
                          beside its rule and the verdicts of the rule's older versions
 

@@ -58,6 +58,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from experiments.findings.stats import t_critical
+
 ARMS = ("autoregressive_sync", "autoregressive_async", "speculative_sync", "speculative_async")
 # Speculative rollouts with the draft length chosen by decoding.adaptive (--arms adds them).
 ADAPTIVE_ARMS = ("adaptive_sync", "adaptive_async")
@@ -159,12 +161,6 @@ def arm_stats(records: Sequence[Mapping[str, Any]], evals: Mapping[str, Any], *,
         out["time_to_target_s"] = float(by_step.get(step, 0.0))
         break
   return out
-
-
-def t_critical(df: int) -> float:
-  """The two-sided 95% Student-t critical value at `df` degrees of freedom."""
-  from scipy import stats  # pylint: disable=g-import-not-at-top  (a dependency of jax)
-  return float(stats.t.ppf(0.975, df))
 
 
 def paired_ratio(a: Mapping[int, float], b: Mapping[int, float], *,

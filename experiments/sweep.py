@@ -1,8 +1,8 @@
 r"""Sweeps: a config file's `get_sweep(arg)` entries, run here one after another, or printed
 as one command per entry (for this machine or a TPU VM pod).
 
-  python -m bebop_jax.sweep --config=configs/mtp_small.py --workdir=runs/mtp_sweep
-  python -m bebop_jax.sweep --config=configs/mtp_small.py --workdir=runs/mtp_sweep \
+  python experiments/sweep.py --config=configs/mtp_small.py --workdir=runs/mtp_sweep
+  python experiments/sweep.py --config=configs/mtp_small.py --workdir=runs/mtp_sweep \
       --print_commands [--launcher=tpu_vm --tpu=NAME --zone=ZONE]
 
 `get_sweep(arg)` returns a list of override dicts (dotted config keys to values, e.g.

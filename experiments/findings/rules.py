@@ -4,7 +4,7 @@ A rule is a list of versions. Each version has a number, the text the results pa
 a history note (when it was written, relative to the data it was first applied to) and the
 function that decides: from the finding's measured result (a dict the finding module
 builds, also written to its json) to (verdict, reason), the verdict one of
-common.VERDICTS. The last version decides the finding's verdict; every older version is
+VERDICTS. The last version decides the finding's verdict; every older version is
 evaluated on the same result too and printed beside it, so a reader sees whether a change
 of rule moved the verdict.
 
@@ -34,11 +34,10 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from bebop_jax.findings import common
-
 Decision = tuple[str, str]
 SOURCES = ("rl_steps", "rescoring")
-MODES = common.MODES
+MODES = ("rejection", "greedy_draft")  # the verification modes every finding compares
+VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 
 MIN_ENTROPY_RANGE = 0.1     # nats a point set's entropy must span for its fit to count (F1, F2)
 MARGIN = 0.02               # acceptance a kept drafter may lose over the run (F4)
@@ -78,9 +77,9 @@ class Rule:
     out = []
     for v in self.versions:
       verdict, reason = v.decide(result)
-      if verdict not in common.VERDICTS:
+      if verdict not in VERDICTS:
         raise ValueError(f"rule {self.label} v{v.number} gave verdict={verdict!r}: not one of "
-                         f"{common.VERDICTS}")
+                         f"{VERDICTS}")
       out.append({"version": v.number, "text": v.text, "history": v.history,
                   "verdict": verdict, "reason": reason})
     return {"label": self.label, "current": self.current.number, "versions": out}

@@ -11,7 +11,7 @@ Stage outputs under a workdir, each made once and reused by every finding that n
                                  strategy (DRAFTER_ARMS), at the scale's rl_* settings, which
                                  move the policy; the frozen_e2e_tv arm's steps are also
                                  F1/F2's points per RL step
-  speedup/<arm>/                 the four RL speed arms (bebop_jax.bench_rl)
+  speedup/<arm>/                 the four RL speed arms (experiments.rl_benchmark)
   findings/                      each finding's json, csv, md and png files
   stage_seconds.json             seconds each stage took when it ran
 """
@@ -28,13 +28,12 @@ import ml_collections
 import numpy as np
 
 from bebop_jax import config as config_lib
-from bebop_jax.findings import stats
 from bebop_jax.train import metrics as metrics_lib
+from experiments.findings import rules, stats
+from experiments.findings.rules import MODES, VERDICTS  # pylint: disable=unused-import
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODES = ("rejection", "greedy_draft")
 STARTS = ("warm", "scratch")  # F3's drafter starts (Context.drafter)
-VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 # RL drafter arms of F4: (drafter trained with, rl.mtp.strategy, rl.mtp.loss).
 DRAFTER_ARMS = {
     "frozen_ce": ("ce", "frozen", "ce"),
@@ -180,7 +179,6 @@ def write_finding(f: Finding, out_dir: str) -> None:
 def section_markdown(f: Finding, figure_dir: str) -> str:
   """A finding's section: the claim, the verdict and why, the rule (rules.markdown), the
   tables and the figures."""
-  from bebop_jax.findings import rules  # pylint: disable=g-import-not-at-top
   figs = "\n".join(f"![{f.name}]({figure_dir}/{name})" for name in f.figures)
   rule = f"{rules.markdown(f.rule)}\n\n" if f.rule else ""
   return (f"## {f.title}\n\n**Paper:** {f.claim}\n\n**Verdict: {f.verdict}.** {f.reason}\n\n"

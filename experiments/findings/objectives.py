@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from bebop_jax.findings import common
-from bebop_jax.findings import rules
-from bebop_jax.findings import stats
+from experiments.findings import common
+from experiments.findings import rules
+from experiments.findings import stats
 
 NAME = "objectives"
 TITLE = "F3: the drafter's training objective"

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bebop_jax.findings import common
-from bebop_jax.findings import rules
-from bebop_jax.findings import stats
+from experiments.findings import common
+from experiments.findings import rules
+from experiments.findings import stats
 
 NAME_F1, NAME_F2 = "acceptance_entropy", "greedy_vs_rejection"
 TITLE_F1 = "F1: acceptance falls as policy entropy rises"

@@ -1,4 +1,4 @@
-"""Speedup: the four RL arms {autoregressive, speculative} x {sync, async} (bebop_jax.bench_rl)
+"""Speedup: the four RL arms {autoregressive, speculative} x {sync, async} (experiments.rl_benchmark)
 from the e2e_tv drafter of F3, on the same prompts and seeds, with the bounds the measured
 decode speedup and rollout share allow.
 
@@ -18,9 +18,9 @@ import time
 import jax
 import numpy as np
 
-from bebop_jax import bench_rl
-from bebop_jax.findings import common
-from bebop_jax.findings import rules
+from experiments import rl_benchmark
+from experiments.findings import common
+from experiments.findings import rules
 
 NAME = "speedup"
 TITLE = "Speedup: speculative and async RL steps"

@@ -15,7 +15,7 @@ from typing import Sequence
 from absl import flags
 from absl import logging
 
-from bebop_jax.findings import common
+from experiments.findings import common
 
 
 def define_flags(page: bool) -> None:
@@ -27,7 +27,7 @@ def define_flags(page: bool) -> None:
   flags.DEFINE_string("workdir", None, "Directory for every stage and finding; a rerun "
                       "reuses finished stages and resumes partial ones.")
   flags.DEFINE_string("config", None, "Base config file (default: the scale's, "
-                      "bebop_jax/findings/common.py SCALES).")
+                      "experiments/findings/common.py SCALES).")
   if page:
     flags.DEFINE_string("results", None, "Path of the results page (default: "
                         "<workdir>/results.md); figures and data go to <its dir>/results/.")
@@ -56,7 +56,7 @@ def command_line() -> str:
 
 def main_reproduce(argv: Sequence[str]) -> None:
   del argv
-  from bebop_jax.findings import results  # pylint: disable=g-import-not-at-top
+  from experiments.findings import results  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   _prepare(f.workdir)
   results.reproduce(f.workdir, f.scale, names=tuple(f.only) or tuple(results.FINDINGS),
@@ -67,7 +67,7 @@ def main_one(name: str):
   """The main of experiments/fig_<name>.py: that finding's files under <workdir>/findings."""
   def main(argv: Sequence[str]) -> None:
     del argv
-    from bebop_jax.findings import results  # pylint: disable=g-import-not-at-top
+    from experiments.findings import results  # pylint: disable=g-import-not-at-top
     f = flags.FLAGS
     _prepare(f.workdir)
     ctx = common.Context(f.workdir, f.scale, f.config)
