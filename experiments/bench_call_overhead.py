@@ -4,24 +4,23 @@ decoder does its own.
   python experiments/bench_call_overhead.py --config=configs/laptop.py \
       --workdir=runs/quickstart --out=runs/quickstart/call_overhead.json
 
-One held-out prompt, one row, T = 1; every variant below runs the same compiled
-autoregressive program on it (an adaptive call whose acceptance seed is 0 chooses K = 0, its
-whole-call autoregressive program). Each variant runs --calls calls back to back as one
-timed block (as a rollout or the decode benchmark does); blocks of the variants are
-interleaved, alternating direction, for --blocks rounds, and each variant's median seconds
-per call is reported with its ratio to the plain program:
+One held-out prompt, one row, T = 1; an adaptive call whose acceptance seed is 0 chooses
+K = 0, so it runs the prefill and segments of autoregressive steps. Each variant runs
+--calls calls back to back as one timed block (as a rollout or the decode benchmark does);
+blocks of the variants are interleaved, alternating direction, for --blocks rounds, and each
+variant's median seconds per call is reported with its ratio to the plain program:
 
   autoregressive      `autoregressive.generate` and block on its output (the baseline);
-  program             the adaptive decoder's K = 0 whole-call program (the same loop, its
-                      output in speculative decoding's form) and the lengths fetched, no
-                      other host work;
+  program             the adaptive decoder's programs at K = 0 (its prefill and one K = 0
+                      segment to the end of the call) and the lengths fetched, no other
+                      host work;
   before_dispatch     the adaptive decoder's per-call host work (its acceptance estimate,
-                      first choice and bookkeeping) done before dispatching the program;
-  after_dispatch      the same work done after the dispatch, while the program runs;
-  adaptive            `adaptive.generate` itself (calibrated once before timing).
+                      first choice and bookkeeping) done before dispatching those programs;
+  after_dispatch      the same work done after the dispatch, while the programs run;
+  adaptive            `segments.generate` itself (calibrated once before timing).
 
 The adaptive decoder plans each call's first choice during the call before and does its
-bookkeeping after the dispatch (decoding/adaptive.py); docs/decoding.md has the numbers.
+bookkeeping after the dispatch (decoding/segments.py); docs/decoding.md has the numbers.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
 from bebop_jax.data.tokenizer import get_tokenizer
-from bebop_jax.decoding import adaptive, autoregressive, benchmark, sampling
+from bebop_jax.decoding import (adaptive, autoregressive, benchmark, sampling, segments,
+                                speculative)
 from bebop_jax.train import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/laptop.py",
@@ -67,21 +67,23 @@ def main(argv):
   key = jax.random.key(0)
   settings = adaptive.Settings(k_max=config.model.num_draft_steps)
   depths = settings.k_max
-  seed = (0.0,) * depths  # no draft pays: K = 0 and its whole-call program
+  seed = (0.0,) * depths  # no draft pays: K = 0 throughout
 
-  def call():
-    return adaptive._autoregressive_call(  # pylint: disable=protected-access
-        graphdef, state, tokens, lengths, key, None, stop_tokens=stop, depths=depths, **kw)
+  def call():  # the decoder's programs at K = 0: the prefill, one segment to the call's end
+    s = speculative.prefill(graphdef, state, tokens, lengths, key, stop_tokens=stop,
+                            num_draft_steps=max(depths, 1), draft_prefill=False, **kw)
+    return speculative.segment(graphdef, state, s, np.int32(_NEW.value), k=0, params=params,
+                               mode="rejection").out
 
-  _, stats = adaptive.generate(graphdef, state, tokens, lengths, key, stop_tokens=stop,
+  _, stats = segments.generate(graphdef, state, tokens, lengths, key, stop_tokens=stop,
                                mode="rejection", settings=settings, acceptance=seed, **kw)
   table = stats.table  # calibrated once, before timing
 
-  def host_work():  # what the decoder does per call besides the program
+  def host_work():  # what the decoder does per call besides its programs
     estimate = adaptive.AcceptanceEstimate(np.asarray(seed), settings.smoothing)
     adaptive.choose_k(estimate, table, 1, kw["cache_length"], depths,
                       call_tokens=table.tokens_per_row or _NEW.value)
-    adaptive.Stats(k_iterations={}, segments=[], table=table, alphas=list(estimate.alphas))
+    segments.Stats(k_iterations={}, segments=[], table=table, alphas=list(estimate.alphas))
 
   def before_dispatch():
     host_work()
@@ -103,7 +105,7 @@ def main(argv):
       "program": program,
       "before_dispatch": before_dispatch,
       "after_dispatch": after_dispatch,
-      "adaptive": lambda: jax.block_until_ready(adaptive.generate(
+      "adaptive": lambda: jax.block_until_ready(segments.generate(
           graphdef, state, tokens, lengths, key, stop_tokens=stop, mode="rejection",
           settings=settings, acceptance=seed, **kw)[0]),
   }

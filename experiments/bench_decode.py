@@ -29,7 +29,7 @@ tokens each covers); its rows carry "draft_vocab".
 
 With --draft_lengths=1,2,3 every mode also runs at each fixed draft length (rows "k"), and
 with --adaptive (or config.decoding.adaptive.enabled) adaptive decoding
-(decoding/adaptive.py: K chosen from live acceptance and an in-process cost table, rows
+(decoding/segments.py: K chosen from live acceptance and an in-process cost table, rows
 leaving the batch as they finish), its rows "k": "adaptive" with the iterations run at each
 K and the cost table:
 

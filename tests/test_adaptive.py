@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bebop_jax.decoding import adaptive
+from bebop_jax.decoding import adaptive, segments
 
 
 def test_expected_tokens_is_one_plus_the_sum_of_the_acceptance_prefix_products():
@@ -65,7 +65,7 @@ def _call_seconds(t, k, rows, bucket, alphas, call_tokens, misses=()):
   """A call's modelled seconds when it begins with K = k, from the definition: the
   prefill, one segment call's fixed cost and K's start cost (each at the smallest measured
   batch >= rows; no start cost where none was measured for K), call_tokens / E(K)
-  iterations of c(K), plus the arm's call residual: the least of its last 8 misses once
+  iterations of c(K), plus K's call residual: the least of its last 8 misses once
   two are recorded (`t`: the test's own copy of the table's numbers)."""
   fixed = t["prefill"]
   if t["overhead"]:
@@ -94,7 +94,7 @@ def _random_costs(rng, k_max):
 
 def _best(values, largest):
   """The index of the best value, the first of equal ones (the rule's tie-break: the
-  smaller K, the earlier arm), or None when another value is within 1e-9 relative of it
+  smaller K), or None when another value is within 1e-9 relative of it
   without being equal (a near tie that rounding may decide either way)."""
   best = max(values) if largest else min(values)
   if any(v != best and abs(v - best) <= 1e-9 * abs(best) for v in values):
@@ -141,13 +141,13 @@ def test_choose_k_maximises_expected_tokens_per_second_by_brute_force(monkeypatc
 
 
 def test_a_calls_first_choice_is_the_brute_force_least_modelled_call_seconds(monkeypatch):
-  """A call's first arm (choose_first_k, and choose_k with call_tokens) is the one of the
-  least modelled seconds of the whole call plus the arm's call residual, computed by the
-  brute force above on 300 random cases: prefill, segment-call cost and start costs
-  measured at some batch sizes, misses recorded for some arms (more than 8 for some: only
-  the last 8 count), random call lengths and arms. The brute force has power: with the
-  call residual broken to the latest miss instead of the least of the last 8, the
-  module's choices disagree with it."""
+  """A call's first K (choose_first_k, and choose_k with call_tokens) is the one of the
+  least modelled seconds of the whole call plus K's call residual, computed by the brute
+  force above on 300 random cases: prefill, segment-call cost and start costs measured at
+  some batch sizes, misses recorded for some K (more than 8 for some: only the last 8
+  count), random call lengths. The brute force has power: with the call residual broken to
+  the latest miss instead of the least of the last 8, the module's choices disagree with
+  it."""
   def run(trials, seed=1):
     rng = np.random.default_rng(seed)
     disagree, checked, wants = 0, 0, set()
@@ -166,39 +166,31 @@ def test_a_calls_first_choice_is_the_brute_force_least_modelled_call_seconds(mon
                                  start=dict(t["start"]))
       for (k, r, b), s in t["seconds"].items():
         table.add(k, r, b, s)
-      arms = [(k, whole) for k in range(k_max + 1) for whole in (False, True)
-              if rng.uniform() < 0.7] or [(0, False)]
       misses = {}
-      for arm in arms:
+      for k in range(k_max + 1):
         for _ in range(int(rng.choice([0, 1, 2, 5, 12]))):
           miss = float(rng.uniform(-2, 10))
-          misses.setdefault(arm, []).append(miss)
-          table.observe_call(10.0, 0.5, k=arm[0], whole=arm[1], seconds=100.0 + miss,
-                             modelled=100.0)
+          misses.setdefault(k, []).append(miss)
+          table.observe_call(10.0, 0.5, k=k, seconds=100.0 + miss, modelled=100.0)
       rows, bucket = int(rng.integers(1, 40)), int(rng.integers(1, 600))
       call_tokens = float(rng.uniform(0.5, 300))
-      total = [_call_seconds(t, k, rows, bucket, alphas, call_tokens, misses.get((k, w), ()))
-               for k, w in arms]
-      best = _best(total, largest=False)
-      if best is None:
+      total = [_call_seconds(t, k, rows, bucket, alphas, call_tokens, misses.get(k, ()))
+               for k in range(k_max + 1)]
+      want = _best(total, largest=False)
+      if want is None:
         continue
       checked += 1
-      wants.add(arms[best][0])
-      got = adaptive.choose_first_k(alphas, table, rows, bucket, k_max, call_tokens, arms)
-      disagree += got != arms[best]
-      # choose_k with a call length: the arms (K, segments) of every K.
-      plain = [_call_seconds(t, k, rows, bucket, alphas, call_tokens,
-                             misses.get((k, False), ())) for k in range(k_max + 1)]
-      want_k = _best(plain, largest=False)
-      if want_k is not None:
-        disagree += adaptive.choose_k(adaptive.AcceptanceEstimate(np.asarray(alphas)), table,
-                                      rows, bucket, k_max, call_tokens=call_tokens) != want_k
+      wants.add(want)
+      disagree += adaptive.choose_first_k(alphas, table, rows, bucket, k_max,
+                                          call_tokens) != want
+      disagree += adaptive.choose_k(adaptive.AcceptanceEstimate(np.asarray(alphas)), table,
+                                    rows, bucket, k_max, call_tokens=call_tokens) != want
     return disagree, checked, wants
 
   disagree, checked, wants = run(300)
   assert disagree == 0 and checked >= 290 and wants == {0, 1, 2, 3}
   monkeypatch.setattr(adaptive.CostTable, "call_residual",
-                      lambda self, k, whole=False: self.call_misses.get((k, whole), [0.0])[-1])
+                      lambda self, k: self.call_misses.get(k, [0.0])[-1])
   assert run(300)[0] >= 10
 
 
@@ -257,8 +249,8 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   assert modelled[3] == pytest.approx(5.5 + 64 / (1 + 0.9 + 0.81 + 0.729) * 1.6)
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=tokens) == 3
   table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 30.0, modelled=modelled[3])
-  assert table.calls == {(3, False): 1}
-  assert table.call_misses[(3, False)] == [pytest.approx(30.0)]
+  assert table.calls == {3: 1}
+  assert table.call_misses[3] == [pytest.approx(30.0)]
   assert table.call_residual(3) == 0.0  # one miss: the model alone still
   assert adaptive.choose_k(good, table, 1, 256, 3, call_tokens=tokens) == 3
   table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 25.0, modelled=modelled[3])
@@ -270,7 +262,7 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   for _ in range(adaptive.CALL_WINDOW):
     table.observe_call(tokens, 0.5, k=3, seconds=modelled[3] + 40.0, modelled=modelled[3])
   assert table.call_residual(3) == pytest.approx(40.0)
-  assert len(table.call_misses[(3, False)]) == adaptive.CALL_WINDOW
+  assert len(table.call_misses[3]) == adaptive.CALL_WINDOW
   # Without a call length (a later segment) the per-iteration rule is unchanged.
   assert adaptive.choose_k(good, table, 1, 256, 3) == 3
   # A new prompt bucket's table starts from this one's call length and misses (copies).
@@ -280,29 +272,6 @@ def test_calls_that_cost_more_than_modelled_move_the_choice():
   assert other.call_residual(3) == pytest.approx(40.0)
   other.observe_call(tokens, 0.5, k=3, seconds=modelled[3], modelled=modelled[3])
   assert other.call_residual(3) == 0.0 and table.call_residual(3) == pytest.approx(40.0)
-
-
-def test_the_arms_of_one_k_share_the_model_and_are_told_apart_by_their_calls():
-  """A call's first choice is among arms (K, whole): K = 0 as the autoregressive program
-  and K = 0 in segments have the same modelled seconds; the earlier arm wins a tie, and
-  once its calls cost more than modelled the other is tried, and kept only if it delivers.
-  An arm's misses are its own."""
-  table = _table({8: [1.0, 1.5]})
-  table.prefill, table.overhead[8] = 2.0, 0.5
-  alphas, tokens = (0.2,), 32.0
-  arms = [(0, True), (0, False), (1, False)]
-  choose = lambda: adaptive.choose_first_k(alphas, table, 8, 256, 1, tokens, arms)
-  assert choose() == (0, True)  # the model alone: K = 1 loses, the tie to the earlier arm
-  modelled = table.call_seconds(0, 8, 256, alphas, tokens)
-  for _ in range(2):
-    table.observe_call(tokens, 0.5, k=0, whole=True, seconds=modelled + 3.0,
-                       modelled=modelled)
-  assert table.call_residual(0, whole=True) == pytest.approx(3.0)
-  assert table.call_residual(0) == 0.0 and choose() == (0, False)
-  for _ in range(2):
-    table.observe_call(tokens, 0.5, k=0, seconds=modelled + 5.0, modelled=modelled)
-  assert choose() == (0, True)
-  assert adaptive.choose_first_k(alphas, table, 8, 256, 1, tokens) == (0, False)  # segments
 
 
 def test_weight_read_costs_charge_each_depth_a_block_and_the_head():
@@ -319,9 +288,9 @@ def test_weight_read_costs_charge_each_depth_a_block_and_the_head():
 
 
 def test_settings_and_batch_buckets():
-  assert adaptive.batch_buckets(64) == [64, 16, 4, 1]
-  assert adaptive.batch_buckets(8, 2) == [8, 4, 2, 1]
-  assert adaptive.batch_buckets(1) == [1]
+  assert segments.batch_buckets(64) == [64, 16, 4, 1]
+  assert segments.batch_buckets(8, 2) == [8, 4, 2, 1]
+  assert segments.batch_buckets(1) == [1]
   with pytest.raises(ValueError, match="batch_factor=1 is not allowed"):
     adaptive.Settings(k_max=3, batch_factor=1)
   with pytest.raises(ValueError, match="segment=0"):

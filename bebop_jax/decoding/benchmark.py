@@ -30,7 +30,7 @@ from flax import nnx
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import get_tokenizer, pipeline
 
-from bebop_jax.decoding import (adaptive, autoregressive, diagnostics, multi_turn, sampling,
+from bebop_jax.decoding import (autoregressive, diagnostics, multi_turn, sampling, segments,
                                 speculative)
 from bebop_jax.decoding.batching import pad_rows
 
@@ -158,7 +158,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
   `draft_lengths`: fixed draft lengths K (1 .. the drafter's depths) to run each mode with,
   their rows labelled `k` (default: the drafter's K only, unlabelled); K = 0 is the
   autoregressive loop itself (ratio 1). `adaptive_settings` (adaptive.Settings): each mode
-  also runs adaptive decoding (decoding/adaptive.py), seeded with the online acceptance of
+  also runs adaptive decoding (decoding/segments.py), seeded with the online acceptance of
   that mode's fixed-K row of the most drafts, timed in a second round against the
   autoregressive loop again; its rows have `k` "adaptive", the iterations run with each K
   (`k_iterations`, summed over the pass) and the cost table it decided with."""
@@ -296,7 +296,7 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
     stats = []
 
     def run(tokens, lengths, rng_seed, mode=mode, ids=ids, seed=seed, stats=stats):
-      o, st = adaptive.generate(
+      o, st = segments.generate(
           graphdef, state, tokens, lengths, jax.random.key(rng_seed), max_new_tokens=max_new,
           cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode,
           stop_tokens=stop, settings=dataclasses.replace(settings, k_max=len(seed)),

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from bebop_jax.data.tokenizer import get_tokenizer
-from bebop_jax.decoding import adaptive, autoregressive, batching, sampling, speculative
+from bebop_jax.decoding import autoregressive, batching, sampling, segments, speculative
 
 
 @dataclasses.dataclass
@@ -187,8 +187,8 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
   (default: all). The cache holds the prompt bucket plus `max_new_tokens` plus the draft
   lookahead. `draft_vocab`: optional token ids the drafter is restricted to
   (speculative._decode). `adaptive_settings` (adaptive.Settings): decode with an adaptive
-  draft length (decoding/adaptive.py; k_max replaces num_draft_steps), its estimate seeded
-  with `acceptance`; each call's adaptive.Stats is appended to `adaptive_stats`."""
+  draft length (decoding/segments.py; k_max replaces num_draft_steps), its estimate seeded
+  with `acceptance`; each call's segments.Stats is appended to `adaptive_stats`."""
   if adaptive_settings is not None:
     return _adaptive_episodes(
         graphdef, state, prompts, environments, rng, batch_size=batch_size,
@@ -228,7 +228,7 @@ def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, batch_siz
                        max_new_tokens, params, mode, stop_tokens, row_stops, max_turn_tokens,
                        max_turns, prompt_buckets, draft_vocab, settings, acceptance,
                        stats) -> list[Episode]:
-  """`speculative_episodes` with adaptive.start / adaptive.continue_with_reply."""
+  """`speculative_episodes` with segments.start / segments.continue_with_reply."""
   stop_tokens = tuple(int(t) for t in stop_tokens)
   _check_inputs(prompts, environments, row_stops, stop_tokens)
   k = max(settings.k_max, 1)
@@ -249,12 +249,12 @@ def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, batch_siz
     n = len(chunk)
     prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets)
     rng, key = jax.random.split(rng)
-    ds = keep(adaptive.start(
+    ds = keep(segments.start(
         graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
         cache_length=prompt.shape[1] + max_new_tokens + k + 1, stop_tokens=stop_tokens,
         row_stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)), **common))
     ds, reward, turns, ended, truncated = _turns_in_slots(
-        ds, lambda ds, replies, reply_lengths: keep(adaptive.continue_with_reply(
+        ds, lambda ds, replies, reply_lengths: keep(segments.continue_with_reply(
             graphdef, state, ds, replies, reply_lengths, **common)),
         envs, _stop_sets(stop_tokens, row_stops, first, n), batch_size=batch_size,
         max_new_tokens=max_new_tokens, max_turns=max_turns)

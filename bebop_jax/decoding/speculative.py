@@ -524,7 +524,7 @@ generate = _ModeArgument(jax.jit(_generate, static_argnames=_FIRST_STATIC))
 
 
 # ----------------------------------------------------------------- adaptive decoding
-# decoding/adaptive.py drives these: `prefill` once, then `segment`s with a K chosen between
+# decoding/segments.py drives these: `prefill` once, then `segment`s with a K chosen between
 # them from live acceptance and measured cost, on a batch that shrinks as rows finish.
 
 _PREFILL_STATIC = ("graphdef", "params", "max_new_tokens", "cache_length", "num_draft_steps",
