@@ -18,6 +18,7 @@ identity, so the same model code runs unsharded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 from typing import Any, Iterator, Sequence
@@ -26,6 +27,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bebop_jax.settings_base import ConfigError, Section, fail, setting
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -206,3 +209,63 @@ def multihost(mode: str, env: dict[str, str]) -> bool:
     return mode == "on"
   hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
   return bool(env.get("JAX_COORDINATOR_ADDRESS")) or len(hosts) > 1
+
+
+def _rules_ok(rules: Any) -> bool:
+  return isinstance(rules, (tuple, list))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings(Section):
+  """config.mesh: the device mesh, one dimension of which may be -1 (all remaining devices),
+  and the rules that map logical axes of parameters and activations to mesh axes.
+
+  rl.placement's learner_mesh and rollout_mesh are mesh sections too. The device count is
+  checked by `sizes` (across sections: bebop_jax.settings)."""
+  KEY = "mesh"
+  shape: tuple[int, ...] = setting(
+      (-1,), "mesh dimensions; one may be -1 (all remaining devices)",
+      allowed="must hold positive ints and at most one -1",
+      check=lambda s: (all(isinstance(x, int) and (x >= 1 or x == -1) for x in s)
+                       and tuple(s).count(-1) <= 1))
+  axes: tuple[str, ...] = setting(("data",), "the name of each dimension",
+                                  allowed=f"axis names must come from {MESH_AXES}")
+  rules: tuple[tuple[str, Any], ...] = setting(
+      DEFAULT_RULES, "logical axes of parameters and activations to mesh axes (a mesh axis "
+      "or a tuple of them); rules may name axes the mesh lacks, those are ignored",
+      allowed="each rule must be (logical_axis, mesh_axis or tuple of them)", check=_rules_ok)
+
+  def __post_init__(self):
+    super().__post_init__()
+    shape, axes = tuple(self.shape), tuple(self.axes)
+    if len(shape) != len(axes) or len(set(axes)) != len(axes):
+      self.fail("axes", f"must name each of the {len(shape)} dimensions of "
+                f"{self.where('shape')}={shape} once")
+    if any(a not in MESH_AXES for a in axes):
+      self.fail("axes", f"axis names must come from {MESH_AXES}")
+    for rule in self.rules:
+      if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+        fail(self.where("rules"), rule, "each rule must be (logical_axis, mesh_axis or tuple "
+             "of them)")
+      targets = (rule[1],) if isinstance(rule[1], str) or rule[1] is None else tuple(rule[1])
+      for target in targets:
+        if target is not None and target not in MESH_AXES:
+          fail(self.where("rules"), rule, f"mesh axis {target!r} is not one of {MESH_AXES} "
+               "(rules may name axes the mesh lacks; those are ignored)")
+
+  def sizes(self, num_devices: int | None = None) -> dict[str, int]:
+    """{axis: size} over `num_devices` (default: all of them)."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    try:
+      resolved = resolve_mesh_shape(self.shape, num_devices)
+    except MeshError as e:
+      raise ConfigError(f"config.{self.where('shape')}={tuple(self.shape)} is not allowed: "
+                        f"{e}") from e
+    return dict(zip(self.axes, resolved))
+
+  def data_parallel(self, sizes: dict[str, int]) -> tuple[int, tuple[str, ...]]:
+    """(the data-parallel size of the mesh of `sizes`: the product of its batch axes, those
+    axes)."""
+    batch_axes = dict(self.rules).get("batch") or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    return math.prod(sizes.get(a, 1) for a in batch_axes), batch_axes

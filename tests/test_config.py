@@ -7,6 +7,8 @@ import ml_collections
 import pytest
 
 from bebop_jax import config as config_lib
+from bebop_jax import settings as settings_lib
+from bebop_jax.rl import settings as rl_settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -238,7 +240,8 @@ def test_bad_model_and_training_values():
 
 def test_the_config_reference_is_current():
   """docs/configs.md is what `python -m bebop_jax.config` writes (on one CPU device, as a
-  user regenerates it): every key of base_config with its default and validate's text."""
+  user regenerates it): every key of base_config with its default and, from the typed
+  settings' fields, its type, what it allows and what it means."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-m", "bebop_jax.config"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300, check=True).stdout
@@ -249,3 +252,13 @@ def test_the_config_reference_is_current():
   assert "rl.asynchronous.max_staleness" in keys and "data.tasks.math.knobs.max_value" in keys
   assert any("must be a positive int" in line for line in rows
              if line.startswith("| `data.batch_size`"))
+
+
+def test_typed_settings_defaults_are_the_schema_defaults_and_sections_check_themselves():
+  assert config_lib.settings(config_lib.base_config()) == settings_lib.Settings()
+  with pytest.raises(config_lib.ConfigError, match=r"config.rl.group_size=1 is not allowed: "
+                     r"must be >= 2 with rl.advantage='grpo'"):
+    rl_settings.RLSettings(group_size=1)
+  with pytest.raises(config_lib.ConfigError, match=r"config.rl.optim.learning_rate=0 is not "
+                     r"allowed: must be a number > 0"):
+    rl_settings.RLSettings(optim=rl_settings.OptimSettings(learning_rate=0, key="rl.optim"))
