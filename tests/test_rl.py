@@ -15,7 +15,7 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.decoding import batching, speculative
+from bebop_jax.decoding import speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from experiments import rl_benchmark as bench
@@ -148,18 +148,6 @@ def test_periodic_strategy_updates_the_drafter_every_n_steps(strategy_runs):
   assert _equal(periodic[1][1], periodic[0][1])      # step 0: buffered only
   assert not _equal(periodic[2][1], periodic[1][1])  # step 1: every=2, an update
   assert _equal(periodic[2][0], frozen[2][0])
-
-
-def test_first_fit_decreasing_covers_every_item_once_within_capacity():
-  rng = np.random.default_rng(0)
-  for _ in range(50):
-    lengths = rng.integers(1, 40, size=int(rng.integers(1, 30)))
-    bins = batching.first_fit_decreasing(lengths, 40)
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in b) <= 40 for b in bins)
-    # First fit: no two bins could have been one.
-    loads = sorted(sum(lengths[i] for i in b) for b in bins)
-    assert len(loads) < 2 or loads[0] + loads[1] > 40
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])

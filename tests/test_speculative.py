@@ -225,8 +225,8 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
   from bebop_jax.train import mtp as mtp_stage  # pylint: disable=g-import-not-at-top
   ends = np.asarray(lengths + out.lengths)
   rows = [(np.asarray(seq[i, :ends[i]]), np.asarray(gen[i, :ends[i]])) for i in range(b)]
-  from bebop_jax.decoding import batching  # pylint: disable=g-import-not-at-top
-  assert len(batching.first_fit_decreasing(ends, 256)) <= b // 3  # rows do share sequences
+  from bebop_jax.data import packing  # pylint: disable=g-import-not-at-top
+  assert len(packing.first_fit_decreasing(ends, 256)) <= b // 3  # rows do share sequences
   for batch_size, keys in ((b, ("alpha", "alpha_unweighted")), (2, ("alpha_unweighted",))):
     packed = mtp_stage.teacher_forced_acceptance(
         graphdef, params_state, rows, temperature=1.0, modes=(mode,), batch_size=batch_size,
@@ -447,8 +447,8 @@ def _law_sample(policy, programs, sampler: str, broken: str | None = None):
                 params=sampling.SamplingParams(1.0), mode=mode, stop_tokens=())
   with _verification(programs, broken):
     if kind == "adaptive":
-      from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
-      out, st = adaptive.generate(
+      from bebop_jax.decoding import adaptive, segments  # pylint: disable=g-import-not-at-top
+      out, st = segments.generate(
           graphdef, params_state, tokens, lengths, jax.random.key(1),
           schedule=lambda i: _FORCED_K[i % len(_FORCED_K)],
           settings=adaptive.Settings(k_max=3, segment=1, compact=False), **common)
@@ -532,8 +532,8 @@ def test_a_full_draft_vocabulary_decodes_as_none_and_a_reduced_one_drafts_inside
 def _adaptive(graphdef, state, tokens, lengths, seed, *, schedule, k_max, segment=1,
               compact=True, max_new=24, cache_length=64, temperature=1.0, mode="rejection",
               stop_tokens=STOP, batch_factor=2):
-  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
-  return adaptive.generate(
+  from bebop_jax.decoding import adaptive, segments  # pylint: disable=g-import-not-at-top
+  return segments.generate(
       graphdef, state, tokens, lengths, jax.random.key(seed), max_new_tokens=max_new,
       cache_length=cache_length, params=sampling.SamplingParams(temperature), mode=mode,
       stop_tokens=stop_tokens, schedule=schedule,
@@ -565,88 +565,6 @@ def test_adaptive_decoding_at_temperature_zero_is_greedy_decoding_whatever_k_and
   # Every token after the first is emitted by a counted forward.
   np.testing.assert_array_equal(np.asarray(out.emitted_by_forwards), n - 1)
   assert sum(st.k_iterations.values()) == int(out.target_forwards)
-
-
-def test_an_adaptive_call_that_never_drafts_is_the_autoregressive_program():
-  """When the first choice is K = 0 and its segment would cover the whole budget, the call
-  runs autoregressive decoding's own program: the same tokens and log-probs from the same
-  key, in speculative decoding's output form (no draft attempted, one forward per token
-  after the first), compiling no speculative program."""
-  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
-  tokens, lengths = _prompts(b=2, seed=8)
-  params = sampling.SamplingParams(1.0)
-  table = adaptive.CostTable()
-  for k, seconds in enumerate((1e-4, 1.0, 1.0)):  # drafting never pays
-    table.add(k, 2, 64, seconds)
-  table.overhead[2] = 1.0  # a segment call's fixed cost: the floor covers the budget
-  # pylint: disable=protected-access
-  compiled = lambda: (speculative.prefill._cache_size(), speculative.segment._cache_size())
-  before = compiled()
-  out, st = adaptive.generate(
-      GRAPHDEF, STATE, tokens, lengths, jax.random.key(5), max_new_tokens=24,
-      cache_length=64, params=params, mode="rejection", stop_tokens=STOP,
-      settings=adaptive.Settings(k_max=2), table=table)
-  ar = autoregressive.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(5),
-                               max_new_tokens=24, cache_length=64, params=params,
-                               stop_tokens=STOP)
-  assert compiled() == before
-  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
-  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
-  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ar.logprobs))
-  n = np.asarray(out.lengths)
-  assert np.asarray(out.attempted).shape == (2, 2) and not np.asarray(out.attempted).any()
-  np.testing.assert_array_equal(np.asarray(out.emitted_by_forwards), n - 1)
-  np.testing.assert_array_equal(np.asarray(out.row_forwards), n - 1)
-  np.testing.assert_array_equal(np.asarray(out.policy_mask).sum(1), n)
-  assert st.k_iterations == {0: int(ar.target_forwards)} and st.segments == [(0, 2, 2)]
-  # One row, segments shorter than the budget (no call cost measured): the batch cannot
-  # shrink and nothing is drafted, so no later decision could differ: the same program.
-  one = adaptive.CostTable(seconds={(k, 1, 64): s for (k, _, _), s in table.seconds.items()})
-  out1, st1 = adaptive.generate(
-      GRAPHDEF, STATE, tokens[:1], lengths[:1], jax.random.key(5), max_new_tokens=24,
-      cache_length=64, params=params, mode="rejection", stop_tokens=STOP,
-      settings=adaptive.Settings(k_max=2, segment=4), table=one)
-  ar1 = autoregressive.generate(GRAPHDEF, STATE, tokens[:1], lengths[:1], jax.random.key(5),
-                                max_new_tokens=24, cache_length=64, params=params,
-                                stop_tokens=STOP)
-  assert compiled() == before
-  np.testing.assert_array_equal(np.asarray(out1.tokens), np.asarray(ar1.tokens))
-  assert st1.segments == [(0, 1, 1)]
-
-
-def test_an_adaptive_call_whose_first_segment_covers_the_budget_is_the_fixed_k_program():
-  """When the first segment is expected to emit the whole budget (its iterations times
-  E(K)), no later decision would be made: the call runs fixed-K speculative decoding's own
-  program, with the same tokens, log-probs and counts as `speculative.generate` at that K
-  from the same key (the counts padded to k_max depths), compiling no segment program."""
-  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
-  tokens, lengths = _prompts(b=2, seed=8)
-  params = sampling.SamplingParams(1.0)
-  table = adaptive.CostTable()
-  for k, seconds in enumerate((1.0, 1e-4, 1.0)):  # one draft pays
-    table.add(k, 2, 64, seconds)
-  table.overhead[2] = 1.0  # the segment floor covers the budget
-  # pylint: disable=protected-access
-  compiled = lambda: (speculative.prefill._cache_size(), speculative.segment._cache_size())
-  before = compiled()
-  out, st = adaptive.generate(
-      GRAPHDEF, STATE, tokens, lengths, jax.random.key(5), max_new_tokens=24,
-      cache_length=64, params=params, mode="block", stop_tokens=STOP,
-      settings=adaptive.Settings(k_max=2), table=table, acceptance=[0.9, 0.9])
-  fixed = speculative.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(5),
-                               max_new_tokens=24, cache_length=64, params=params,
-                               mode="block", stop_tokens=STOP, num_draft_steps=1)
-  assert compiled() == before
-  for name in ("tokens", "lengths", "emitted_by_forwards", "row_forwards", "target_forwards"):
-    np.testing.assert_array_equal(np.asarray(getattr(out, name)),
-                                  np.asarray(getattr(fixed, name)), err_msg=name)
-  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(fixed.logprobs))
-  for name in ("attempted", "accepted"):
-    got = np.asarray(getattr(out, name))
-    assert got.shape == (2, 2) and not got[:, 1].any()
-    np.testing.assert_array_equal(got[:, :1], np.asarray(getattr(fixed, name)))
-  assert np.asarray(out.attempted).sum() > 0
-  assert st.k_iterations == {1: int(fixed.target_forwards)} and st.segments == [(1, 2, 2)]
 
 
 def test_depth_caches_catch_up_after_segments_with_fewer_drafts():
@@ -709,10 +627,10 @@ def test_k_zero_is_the_autoregressive_step_with_no_speculative_ops():
 
 
 def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_batch():
-  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  from bebop_jax.decoding import adaptive, segments  # pylint: disable=g-import-not-at-top
   tokens, lengths = _prompts(b=2, seed=8)
   settings = adaptive.Settings(k_max=1, segment=2, calibration_iterations=2, host_fraction=1.0)
-  run = lambda seed, schedule=None: adaptive.generate(
+  run = lambda seed, schedule=None: segments.generate(
       GRAPHDEF, STATE, tokens, lengths, jax.random.key(seed), max_new_tokens=24,
       cache_length=64, params=sampling.SamplingParams(1.0), mode="rejection",
       stop_tokens=STOP, settings=settings, schedule=schedule)
@@ -733,24 +651,24 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
   assert {(e["k"], e["rows"]) for e in st.table.to_json()} == {(0, 1), (0, 2), (1, 1), (1, 2)}
   assert st.calibration_s > 0
   # pylint: disable=protected-access
-  sizes = lambda: (speculative.segment._cache_size(), adaptive._rows._cache_size(),
-                   adaptive._put_rows._cache_size())
+  sizes = lambda: (speculative.segment._cache_size(), segments._rows._cache_size(),
+                   segments._put_rows._cache_size())
   before = sizes()
   runs = [run(seed) for seed in (1, 2)]
-  # Calls in segments of K = 1 and 0 by force (which arm the rule picks depends on timings),
-  # so that rows finish at different segments and leave the batch.
+  # Calls with K = 1 and 0 by force (the rule's choices and segment lengths depend on
+  # timings), so that rows finish at different segments and leave the batch.
   forced = [run(seed, schedule=lambda i: (i + 1) % 2) for seed in (3, 4, 5, 6)]
   out2, st2 = runs[0]
   assert st2.table is st.table  # cached for the run and shape
   assert set(st.table.overhead) == {1, 2} and st.table.overhead[1] > 0
-  # Nothing compiles in steady state: segments, the whole-call programs, and the gathers
-  # and puts of compaction (compiled with the calibration).
+  # Nothing compiles in steady state: segments, and the gathers and puts of compaction
+  # (compiled with the calibration).
   assert sizes() == before
   assert any(batch == 1 for _, st_ in forced for _, _, batch in st_.segments)  # rows left
   for out_, st_ in runs + forced:
     assert sum(st_.k_iterations.values()) == int(out_.target_forwards)
     assert all(0 <= k <= 1 for k in st_.k_iterations)
-  # Every call the rule chose for is counted by its first arm and its measured seconds
+  # Every call the rule chose for is counted by its first K and its measured seconds
   # correct the model (call residuals); the prefill was timed with the table.
   table = st.table
   assert sum(table.calls.values()) == 2 and table.pending is not None
@@ -761,13 +679,13 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
 
 
 def test_a_new_prompt_bucket_starts_from_the_nearest_buckets_call_experience():
-  """`adaptive._table` per prompt bucket (cache length): a new bucket's table takes the
+  """`segments._table` per prompt bucket (cache length): a new bucket's table takes the
   nearest existing bucket's call length and call misses as its prior, copied; tables of
   other calls (another batch) are not its siblings."""
-  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  from bebop_jax.decoding import adaptive, segments  # pylint: disable=g-import-not-at-top
   settings = adaptive.Settings(k_max=2, calibrate=False)
   params = sampling.SamplingParams(1.0)
-  table = lambda cache_length, batch=3: adaptive._table(  # pylint: disable=protected-access
+  table = lambda cache_length, batch=3: segments._table(  # pylint: disable=protected-access
       GRAPHDEF, STATE, None, settings=settings, rows=[batch], params=params,
       mode="block", draft_vocab=None, cache_length=cache_length, batch=batch,
       max_new_tokens=17, depths=2)[0]
@@ -776,9 +694,9 @@ def test_a_new_prompt_bucket_starts_from_the_nearest_buckets_call_experience():
   short.observe_call(9.0, 0.5, k=1, seconds=2.0, modelled=1.0)
   long.observe_call(30.0, 0.5, k=2, seconds=5.0, modelled=1.0)
   near_long = table(251)
-  assert near_long.tokens_per_row == 30.0 and near_long.call_misses == {(2, False): [4.0]}
-  near_long.call_misses[(2, False)].append(0.0)
-  assert long.call_misses == {(2, False): [4.0]}  # a copy
-  assert table(121).call_misses == {(1, False): [1.0]}
+  assert near_long.tokens_per_row == 30.0 and near_long.call_misses == {2: [4.0]}
+  near_long.call_misses[2].append(0.0)
+  assert long.call_misses == {2: [4.0]}  # a copy
+  assert table(121).call_misses == {1: [1.0]}
   assert table(101) is short  # cached
   assert table(251, batch=5).tokens_per_row is None  # another batch: no sibling

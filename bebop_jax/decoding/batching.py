@@ -1,5 +1,5 @@
-"""Shapes and stops of decoding batches: length buckets, right-padded rows, packing into
-shared rows, per-row stop sets.
+"""Shapes and stops of decoding batches: length buckets, right-padded rows, per-row stop
+sets (packing into shared rows is bebop_jax.data.packing).
 
 Every decoding function compiles once per shape, so contexts are right-padded to the
 smallest of a few length buckets and batches are padded to a fixed number of rows. Stop
@@ -16,7 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bebop_jax.data.packing import first_fit_decreasing  # noqa: F401  (see below)
 from bebop_jax.data.tokenizer import get_tokenizer
+
+# first_fit_decreasing lives in bebop_jax.data.packing; it is re-exported here only for
+# train/mtp.teacher_forced_acceptance, which still calls batching.first_fit_decreasing.
+# Drop this import once that call site uses data.packing.
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 REPLY_BUCKETS = (32, 64, 128, 256)
@@ -29,63 +34,6 @@ def bucket(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
       return b
   raise ValueError(f"a length of {length} tokens is longer than the largest bucket "
                    f"{buckets[-1]} (buckets {tuple(buckets)})")
-
-
-def first_fit_decreasing(lengths: np.ndarray, capacity: int, targets: np.ndarray | None = None,
-                         target_capacity: int | None = None) -> list[list[int]]:
-  """Bins of item indices, longest items first, each into the first bin with room: every
-  bin's lengths sum to at most `capacity` (each length must be at most `capacity`) and, with
-  `targets` (a second size per item, e.g. its loss targets), their targets to at most
-  `target_capacity`."""
-  lengths = np.asarray(lengths)
-  if targets is not None and (target_capacity is None or np.max(targets, initial=0)
-                              > target_capacity):
-    raise ValueError(f"every item's targets must be at most target_capacity="
-                     f"{target_capacity}; the largest is {np.max(targets, initial=0)}")
-  bins: list[list[int]] = []
-  free: list[int] = []
-  free_targets: list[int] = []
-  for i in np.argsort(-lengths, kind="stable"):
-    n = int(lengths[i])
-    m = 0 if targets is None else int(targets[i])
-    for b, room in enumerate(free):
-      if n <= room and (targets is None or m <= free_targets[b]):
-        bins[b].append(int(i))
-        free[b] -= n
-        if targets is not None:
-          free_targets[b] -= m
-        break
-    else:
-      bins.append([int(i)])
-      free.append(capacity - n)
-      free_targets.append(0 if targets is None else target_capacity - m)
-  return bins
-
-
-def pack_layout(bins: Sequence[Sequence[int]], lengths: Sequence[int], rows: int, length: int
-                ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, slice]]]:
-  """Where packed items go: row r of `rows` holds the items `bins[r]` back to back, item i
-  its `lengths[i]` positions, each its own segment (1, 2, ... within the row; 0 is padding)
-  with positions restarting at 0. Returns (segment_ids [rows, length] int32, positions
-  [rows, length] int32, spans: (row, item, slice of the row) per item)."""
-  if len(bins) > rows:
-    raise ValueError(f"{len(bins)} packed rows do not fit a batch of {rows} rows")
-  segment_ids = np.zeros((rows, length), np.int32)
-  positions = np.zeros((rows, length), np.int32)
-  spans = []
-  for r, members in enumerate(bins):
-    offset = 0
-    for segment, i in enumerate(members, 1):
-      n = int(lengths[i])
-      if offset + n > length:
-        raise ValueError(f"the items {list(members)} ({offset + n}+ tokens) overflow a row "
-                         f"of {length} positions")
-      span = slice(offset, offset + n)
-      segment_ids[r, span] = segment
-      positions[r, span] = np.arange(n)
-      spans.append((r, int(i), span))
-      offset += n
-  return segment_ids, positions, spans
 
 
 def pad_rows(rows: Sequence[Sequence[int]], batch_size: int, buckets: Sequence[int]

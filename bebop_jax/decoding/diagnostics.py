@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop_jax.decoding import batching, sampling
+from bebop_jax.data import packing
+from bebop_jax.decoding import sampling
 from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.model.model import shift_left
 
@@ -48,21 +49,18 @@ def packed_batches(sequences, bins: list[list[int]], batch_size: int, length: in
                    row_step: int = 8):
   """Yields (tokens, generated, segment_ids, positions), [R, length] numpy arrays each, from
   (tokens, loss_mask) rows packed into shared rows: row r of the packing holds the rows
-  `bins[r]` back to back (batching.first_fit_decreasing), each its own segment with
+  `bins[r]` back to back (data.packing.first_fit_decreasing), each its own segment with
   positions from 0; `batch_size` packed rows per batch, the last one cut to the smallest
   multiple of `row_step` (or batch_size) that holds its rows."""
   lengths = [len(tokens) for tokens, _ in sequences]
+  fields = {"tokens": [tokens for tokens, _ in sequences],
+            "generated": [np.asarray(mask) > 0 for _, mask in sequences]}
   for first in range(0, len(bins), batch_size):
     chunk = bins[first:first + batch_size]
     rows = min(batch_size, -(-len(chunk) // row_step) * row_step)
-    seg, pos, spans = batching.pack_layout(chunk, lengths, rows, length)
-    seq = np.zeros((rows, length), np.int32)
-    gen = np.zeros((rows, length), bool)
-    for r, i, span in spans:
-      tokens, mask = sequences[i][0], np.asarray(sequences[i][1]) > 0
-      seq[r, span] = tokens
-      gen[r, span.start:span.start + len(mask)] = mask
-    yield seq, gen, seg, pos
+    out = packing.pack(fields, lengths, chunk, rows, length,
+                       {"tokens": np.int32, "generated": bool})
+    yield out["tokens"], out["generated"], out["segment_ids"], out["positions"]
 
 
 def sequences_from_generation(prompt_tokens: jax.Array, prompt_lengths: jax.Array,

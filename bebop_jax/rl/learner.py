@@ -41,7 +41,8 @@ from flax import nnx
 
 from bebop_jax import multihost
 from bebop_jax import sharding
-from bebop_jax.decoding import batching, sampling
+from bebop_jax.data import packing
+from bebop_jax.decoding import sampling
 from bebop_jax.losses import head as head_lib
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model.model import shift_left
@@ -104,17 +105,11 @@ def pack_rows(part: Mapping[str, np.ndarray], lengths: np.ndarray, bins: list[li
               rows: int, length: int) -> dict[str, np.ndarray]:
   """The update batch (module docstring) of `part`, a row-per-rollout batch with per-row
   advantages and token_weights: row r holds the rollouts `bins[r]` back to back, rollout i
-  its first lengths[i] positions; rows past len(bins) are padding."""
-  segment_ids, positions, spans = batching.pack_layout(bins, lengths, rows, length)
+  its first lengths[i] positions (data.packing.pack); rows past len(bins) are padding."""
   per_token = [k for k, v in part.items() if np.ndim(v) == 2 and k != "segment_ids"]
-  out = {k: np.zeros((rows, length), part[k].dtype) for k in per_token}
-  out.update(segment_ids=segment_ids, positions=positions,
-             advantages=np.zeros((rows, length), np.float32))
-  for r, i, span in spans:
-    for k in per_token:
-      out[k][r, span] = part[k][i, :span.stop - span.start]
-    out["advantages"][r, span] = part["advantages"][i]
-  return out
+  fields = {k: part[k] for k in per_token} | {"advantages": part["advantages"]}
+  dtypes = {k: part[k].dtype for k in per_token} | {"advantages": np.float32}
+  return packing.pack(fields, lengths, bins, rows, length, dtypes)
 
 
 def update_batches(rl: Any, full: Mapping[str, np.ndarray], lengths: np.ndarray, *,
@@ -131,7 +126,7 @@ def update_batches(rl: Any, full: Mapping[str, np.ndarray], lengths: np.ndarray,
   sizes = [lengths[mb * size:(mb + 1) * size] for mb in range(rl.minibatches)]
   if rl.packing:
     length = seq_len
-    bins = [batching.first_fit_decreasing(n, length) for n in sizes]
+    bins = [packing.first_fit_decreasing(n, length) for n in sizes]
     rows = next(r for r in rows_buckets if r >= max(map(len, bins)))
   else:
     length, rows = full["tokens"].shape[1], size

@@ -46,6 +46,7 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import drafter_store as drafter_store_lib
+from bebop_jax.data import packing
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.tokenizer import get_tokenizer
@@ -101,30 +102,28 @@ def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
 
 def pack_rows(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
               max_targets: int | None = None) -> dict[str, np.ndarray]:
-  """First-fit-decreasing packing (batching.first_fit_decreasing) of (tokens, loss_mask)
-  sequences into rows [R, seq_len] with segment ids (1, 2, ... per sequence; 0 = padding)
-  and per-sequence positions. Longer sequences are cut to seq_len. With `max_targets`, no
-  row holds more than that many loss targets, and "rows" [R, max_targets] lists the rows'
-  target rows (losses.mtp.loss_rows: where the MTP head runs)."""
-  cut, seg, pos, spans = _layout(sequences, seq_len, max_targets)
-  out = {"tokens": np.zeros(seg.shape, np.int32), "segment_ids": seg,
-         "positions": pos, "loss_mask": np.zeros(seg.shape, np.int32)}
-  for r, i, span in spans:
-    out["tokens"][r, span], out["loss_mask"][r, span] = cut[i]
+  """First-fit-decreasing packing (data.packing) of (tokens, loss_mask) sequences into rows
+  [R, seq_len] with segment ids (1, 2, ... per sequence; 0 = padding) and per-sequence
+  positions. Longer sequences are cut to seq_len. With `max_targets`, no row holds more than
+  that many loss targets, and "rows" [R, max_targets] lists the rows' target rows
+  (losses.mtp.loss_rows: where the MTP head runs)."""
+  cut, lengths, bins = _bins(sequences, seq_len, max_targets)
+  out = packing.pack({"tokens": [t for t, _ in cut], "loss_mask": [m for _, m in cut]},
+                     lengths, bins, len(bins), seq_len,
+                     {"tokens": np.int32, "loss_mask": np.int32})
   if max_targets is not None:
     out["rows"] = mtp_losses.loss_rows(out["loss_mask"], max_targets)
   return out
 
 
-def _layout(sequences, seq_len: int, max_targets: int | None):
-  """(sequences cut to seq_len, segment_ids, positions, spans): `pack_rows`' placement."""
+def _bins(sequences, seq_len: int, max_targets: int | None):
+  """(sequences cut to seq_len, their lengths, first-fit-decreasing bins): `pack_rows`'
+  placement."""
   cut = [(np.asarray(t[:seq_len]), np.asarray(m[:seq_len])) for t, m in sequences]
   lengths = np.array([len(t) for t, _ in cut])
   targets = None if max_targets is None else np.array(
       [int(np.sum(np.asarray(m[1:]) > 0)) for _, m in cut])
-  bins = batching.first_fit_decreasing(lengths, seq_len, targets, max_targets)
-  seg, pos, spans = batching.pack_layout(bins, lengths, len(bins), seq_len)
-  return cut, seg, pos, spans
+  return cut, lengths, packing.first_fit_decreasing(lengths, seq_len, targets, max_targets)
 
 
 def pack_hidden(hidden: Sequence[np.ndarray], sequences, seq_len: int,
@@ -132,14 +131,12 @@ def pack_hidden(hidden: Sequence[np.ndarray], sequences, seq_len: int,
   """[R, seq_len, E] float32: per-sequence features `hidden` ([len, E] each, e.g. the h0
   decoding kept, Rollouts.hidden) placed where `pack_rows(sequences, seq_len, max_targets)`
   puts their sequences (0 on padding)."""
-  _, seg, _, spans = _layout(sequences, seq_len, max_targets)
-  out = np.zeros(seg.shape + (hidden[0].shape[-1],), np.float32)
-  for r, i, span in spans:
-    n = span.stop - span.start
+  _, lengths, bins = _bins(sequences, seq_len, max_targets)
+  for i, n in enumerate(lengths):
     if len(hidden[i]) < n:
       raise ValueError(f"sequence {i} has {n} tokens but {len(hidden[i])} feature rows")
-    out[r, span] = hidden[i][:n]
-  return out
+  return packing.pack({"hidden": hidden}, lengths, bins, len(bins), seq_len,
+                      {"hidden": np.float32})["hidden"]
 
 
 def store_key(config: ml_collections.ConfigDict) -> str:
