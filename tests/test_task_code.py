@@ -5,6 +5,7 @@ import pytest
 
 from bebop_jax import tasks
 from bebop_jax.tasks import base
+from bebop_jax.tasks import code_interp as interp
 from bebop_jax.tasks import code_lang as lang
 from bebop_jax.tasks.code import ALL_STAGE_KINDS, CodeTask, score_program
 
@@ -13,12 +14,12 @@ _PER_CALL_LIMIT_S = 0.5
 
 
 def _run(source, inputs, **bounds):
-  return lang.run_source(source, inputs, **bounds)
+  return interp.run_source(source, inputs, **bounds)
 
 
 def _value(source, inputs):
   result = _run(source, inputs)
-  assert result.status == lang.OK, (source, inputs, result)
+  assert result.status == interp.OK, (source, inputs, result)
   return result.value
 
 
@@ -223,7 +224,7 @@ def test_reward_fuzz_never_raises_and_is_fast():
       # The language entry points directly, without the reward's answer-length clip.
       start = time.perf_counter()
       result = _run(completion[:100_000], [1, 2, 3])
-      assert result.status in (lang.OK, lang.ERROR, lang.STEP_LIMIT, lang.PARSE_ERROR)
+      assert result.status in (interp.OK, interp.ERROR, interp.STEP_LIMIT, interp.PARSE_ERROR)
       worst = max(worst, time.perf_counter() - start)
   print(f"fuzz: {count} reward calls, max per-call {worst * 1e3:.1f} ms ({worst_text!r})")
   assert count > 4000
@@ -300,7 +301,7 @@ def test_reward_fuzz_never_raises_and_is_fast():
 ])
 def test_interpreter_values(source, inputs, expected):
   result = _run(source, inputs)
-  assert result.status == lang.OK, result
+  assert result.status == interp.OK, result
   assert result.value == expected and type(result.value) is type(expected)
 
 
@@ -324,12 +325,12 @@ def test_interpreter_values(source, inputs, expected):
 ])
 def test_interpreter_errors(source, inputs, message):
   result = _run(source, inputs)
-  assert result.status == lang.ERROR and message in result.error, result
+  assert result.status == interp.ERROR and message in result.error, result
   assert result.value is None
 
 
 def test_bounds_are_inclusive():
-  assert _value("sort", [1] * lang.MAX_LIST_LEN) == [1] * lang.MAX_LIST_LEN
+  assert _value("sort", [1] * interp.MAX_LIST_LEN) == [1] * interp.MAX_LIST_LEN
   assert _value("map(x)", [10**9, -10**9]) == [10**9, -10**9]
   assert _value("map(1000000000-x)", [0]) == [10**9]
   assert _value("map(x*x)", [31622]) == [31622**2]
@@ -352,7 +353,7 @@ def test_parse_errors(source):
   with pytest.raises(lang.ParseError):
     lang.parse_program(source)
   assert lang.try_parse(source) is None
-  assert _run(source, [1, 2]).status == lang.PARSE_ERROR
+  assert _run(source, [1, 2]).status == interp.PARSE_ERROR
 
 
 def test_parse_bounds():
@@ -429,22 +430,22 @@ def test_non_terminating_program_stops_at_step_bound():
   start = time.perf_counter()
   result = _run("map(until(x<0, x+1))", [1, 2])
   elapsed = time.perf_counter() - start
-  assert result.status == lang.STEP_LIMIT and result.value is None
-  assert result.steps == lang.MAX_STEPS
+  assert result.status == interp.STEP_LIMIT and result.value is None
+  assert result.steps == interp.MAX_STEPS
   assert elapsed < _PER_CALL_LIMIT_S
   for max_steps in (1, 2, 57, 1000):
     result = _run("map(until(x<0, x+1))", [1], max_steps=max_steps)
-    assert result.status == lang.STEP_LIMIT and result.steps == max_steps
+    assert result.status == interp.STEP_LIMIT and result.steps == max_steps
 
 
 def test_step_bound_is_exact():
   for source, inputs in (("map(x*2+1) | filter(x%3!=0) | sort", [5, 1, 4, 2]),
                          ("map(until(x>=50, x+1))", [0, 7]), ("fold(0, a*2+x)", [1, 0, 1])):
     ok = _run(source, inputs)
-    assert ok.status == lang.OK and ok.steps > 0
+    assert ok.status == interp.OK and ok.steps > 0
     assert _run(source, inputs, max_steps=ok.steps) == ok
     short = _run(source, inputs, max_steps=ok.steps - 1)
-    assert short.status == lang.STEP_LIMIT and short.steps == ok.steps - 1
+    assert short.status == interp.STEP_LIMIT and short.steps == ok.steps - 1
   # Counting: 1 per stage started, 1 per expression node, 1 per element of a whole-list stage.
   assert _run("map(x+1)", [1, 2]).steps == 1 + 2 * 3
   assert _run("sort | sum", [3, 1, 2]).steps == (1 + 3) * 2
@@ -455,4 +456,4 @@ def test_trace_is_recorded():
   result = _run("map(x*2) | sort | sum", [3, 1, 2], record_trace=True)
   assert result.trace == ([6, 2, 4], [2, 4, 6], 12)
   failed = _run("map(x*2) | max", [], record_trace=True)
-  assert failed.status == lang.ERROR and failed.trace == ([],)
+  assert failed.status == interp.ERROR and failed.trace == ([],)

@@ -1,8 +1,9 @@
 """Code task: synthesise a list-processing program from input/output examples.
 
 The language (pipelines like `map(x*2+1) | filter(x%3!=0) | sort | take(3)`) is defined in
-`bebop_jax.tasks.code_lang`. Each example hides a random program; the prompt shows a few of
-its input -> output pairs, and the reward runs the policy's program on held-out inputs.
+`bebop_jax.tasks.code_lang` and run by `bebop_jax.tasks.code_interp`. Each example hides a
+random program; the prompt shows a few of its input -> output pairs, and the reward runs the
+policy's program on held-out inputs.
 
 Prompt:         `[3,1,2] -> [2,4,6]\n[5,0,7] -> [0,10,14]\n[1,1,4] -> [2,2,8]\nprogram:\n`
 Demonstration:  `[3,1,2] map(x*2) -> [6,2,4] | sort -> [2,4,6]\n<|answer|>map(x*2) | sort`
@@ -16,7 +17,7 @@ same outputs on every shown and held-out input, and a trace of another shown exa
 probability `spacing` the trace writes its list separators ", ". The reward is the fraction
 of held-out cases (`meta["tests"]`) on which the answer's program returns exactly the
 expected output; 0.0 without an answer or if it does not parse. Reward work is bounded by
-design: the answer is at most MAX_ANSWER_CHARS, each run at most code_lang.MAX_STEPS steps,
+design: the answer is at most MAX_ANSWER_CHARS, each run at most code_interp.MAX_STEPS steps,
 and there are at most MAX_TESTS cases.
 """
 
@@ -27,6 +28,7 @@ import random
 from typing import Any, Callable, Sequence
 
 from bebop_jax.tasks import base
+from bebop_jax.tasks import code_interp as interp
 from bebop_jax.tasks import code_lang as lang
 from bebop_jax.tasks.code_lang import BinOp, BoolOp, Compare, Num, Var
 
@@ -75,7 +77,7 @@ def score_program(answer: str | None, tests: Sequence[dict[str, Any]]) -> float:
     tests = list(tests)[:MAX_TESTS]
     passed = 0
     for case in tests:
-      result = lang.run_program(program, case["input"])
+      result = interp.run_program(program, case["input"])
       passed += result.ok and same_value(result.value, case["output"])
     return passed / len(tests)
   except Exception:  # pylint: disable=broad-except  # defensive: malformed meta
@@ -89,7 +91,7 @@ def trace_text(program: lang.Program, inputs: list[int],
 
   Stops after a failing stage (not expected for generated examples).
   """
-  result = lang.run_program(program, inputs, record_trace=True)
+  result = interp.run_program(program, inputs, record_trace=True)
   parts = [f"{lang.format_stage(stage)} -> {value_format(value)}"
            for stage, value in zip(program.stages, result.trace)]
   return value_format(inputs) + " " + " | ".join(parts)
@@ -148,8 +150,8 @@ class CodeTask(base.Task):
          f"need 1 <= min_stages <= max_stages <= {MAX_STAGES}"),
         (1 <= self.num_shown <= 16, "num_shown must be in [1, 16]"),
         (1 <= self.num_held_out <= MAX_TESTS, f"num_held_out must be in [1, {MAX_TESTS}]"),
-        (0 <= self.min_len <= self.max_len <= lang.MAX_LIST_LEN and self.max_len >= 1,
-         f"need 0 <= min_len <= max_len <= {lang.MAX_LIST_LEN}, max_len >= 1"),
+        (0 <= self.min_len <= self.max_len <= interp.MAX_LIST_LEN and self.max_len >= 1,
+         f"need 0 <= min_len <= max_len <= {interp.MAX_LIST_LEN}, max_len >= 1"),
         (-MAX_VALUE_MAGNITUDE <= self.min_value <= self.max_value <= MAX_VALUE_MAGNITUDE,
          f"need -{MAX_VALUE_MAGNITUDE} <= min_value <= max_value <= {MAX_VALUE_MAGNITUDE}"),
         (2 <= self.max_const <= MAX_CONST, f"max_const must be in [2, {MAX_CONST}]"),
@@ -231,7 +233,7 @@ class CodeTask(base.Task):
       inputs = self._random_list(rng)
       if distinct and any(case["input"] == inputs for case in cases):
         continue
-      result = lang.run_program(program, inputs)
+      result = interp.run_program(program, inputs)
       if result.ok:
         cases.append({"input": inputs, "output": result.value})
     return cases if len(cases) == n else None
@@ -328,7 +330,7 @@ def _outputs(program: lang.Program, inputs: list[list[int]]) -> list[Any] | None
     return list(inputs)
   outputs = []
   for xs in inputs:
-    result = lang.run_program(program, xs)
+    result = interp.run_program(program, xs)
     if not result.ok:
       return None
     outputs.append(result.value)
