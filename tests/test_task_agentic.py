@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import random
 import time
+import types
 
 import pytest
 
 from bebop_jax.tasks import agentic
 from bebop_jax.tasks.agentic import (AgenticTask, CalcError, StepResult, evaluate_expression,
-                                     policy_turns, run_episode, run_tool, scripted_policy)
+                                     policy_turns, run_tool)
 from bebop_jax.tasks.base import (ANSWER_MARKER, CALL_END, CALL_START, EOS_MARKER,
-                                  RESULT_END, RESULT_START, SPECIAL_MARKERS, Example)
+                                  RESULT_END, RESULT_START, SPECIAL_MARKERS, Example,
+                                  clip_completion)
 
 NUM_SEEDS = 300
 TIME_BOUND_S = 0.5
@@ -34,6 +36,28 @@ def _strip_markers(text: str) -> str:
 def _is_clean(text: str) -> bool:
   """Returns whether `text` is printable ASCII plus newline plus markers."""
   return all(32 <= ord(ch) <= 126 or ch == "\n" for ch in _strip_markers(text))
+
+
+def _run_episode(task: AgenticTask, example: Example, policy_fn) -> types.SimpleNamespace:
+  """(transcript, reward, turns, done) of `policy_fn` against the example's environment:
+  policy_fn(prompt + transcript so far) gives the next turn, clipped to
+  MAX_COMPLETION_CHARS; at most the environment's turn limit + 1 turns."""
+  env = task.environment(example)
+  transcript = ""
+  for _ in range(env.max_turns + 1):
+    turn = clip_completion(policy_fn(example.prompt + transcript))
+    result = env.step(turn)
+    transcript += turn + result.observation
+    if result.done:
+      return types.SimpleNamespace(transcript=transcript, reward=result.reward,
+                                   turns=result.turn, done=True)
+  return types.SimpleNamespace(transcript=transcript, reward=0.0, turns=env.turn, done=False)
+
+
+def _scripted(turns: list[str]):
+  """A policy_fn that ignores its context and plays `turns` in order, then ''."""
+  remaining = list(turns)
+  return lambda context: remaining.pop(0) if remaining else ""
 
 
 def _replay(task: AgenticTask, example: Example) -> str:
@@ -66,7 +90,7 @@ def test_replay_reproduces_demonstration(knobs):
     assert _replay(task, example) == example.demonstration
     assert task.reward(example, example.demonstration) == 1.0
     assert task.reward(example, example.demonstration + EOS_MARKER) == 1.0
-    episode = run_episode(task, example, scripted_policy(policy_turns(example.demonstration)))
+    episode = _run_episode(task, example, _scripted(policy_turns(example.demonstration)))
     assert episode.done and episode.reward == 1.0
     assert episode.transcript == example.demonstration
 
@@ -295,7 +319,7 @@ def test_env_recovers_after_error():
     turns = ["<|call|>oops<|/call|>"] + policy_turns(example.demonstration)
     if len(turns) > task.max_turns:
       continue
-    episode = run_episode(task, example, scripted_policy(turns))
+    episode = _run_episode(task, example, _scripted(turns))
     assert episode.done and episode.reward == 1.0
 
 
@@ -350,8 +374,8 @@ def test_turn_limit_ends_episode(max_turns):
   assert result.done and result.reward == 0.0 and result.turn == max_turns
   # A correct answer after the limit gets nothing.
   assert env.step(ANSWER_MARKER + example.meta["answer"]).reward == 0.0
-  # run_episode stops a policy that never answers.
-  episode = run_episode(task, example, lambda context: call)
+  # An episode stops a policy that never answers.
+  episode = _run_episode(task, example, lambda context: call)
   assert episode.done and episode.reward == 0.0 and episode.turns == max_turns
   assert episode.transcript.count(RESULT_START) == max_turns - 1
 
@@ -455,8 +479,8 @@ def test_fuzz_run_episode_with_random_policy():
     example = task.sample(seed)
     names = sorted(example.meta["world"])
     start = time.perf_counter()
-    episode = run_episode(task, example, lambda context: CALL_START + _random_turn(rng, names)
-                          + CALL_END)
+    episode = _run_episode(task, example, lambda context: CALL_START
+                           + _random_turn(rng, names) + CALL_END)
     max_seconds = max(max_seconds, time.perf_counter() - start)
     assert episode.turns <= task.max_turns and episode.reward in (0.0, 1.0)
   print(f"\nrandom-policy episodes: max {max_seconds * 1000:.2f} ms")

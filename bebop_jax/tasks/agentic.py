@@ -28,9 +28,8 @@ parsed by bounded code; they never raise on any input.
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from bebop_jax.tasks.base import (ANSWER_MARKER, StepResult, CALL_END, CALL_START, RESULT_END,
                                   RESULT_START, Example, Task, clip_completion, find_answer,
@@ -345,41 +344,6 @@ class ToolEnvironment:
     return StepResult("", True, reward, self.turn)
 
 
-@dataclasses.dataclass(frozen=True)
-class Episode:
-  """A finished (or cut-off) multi-turn episode.
-
-  Attributes:
-    transcript: policy turns and observations, concatenated (the completion).
-    reward: the final reward (0.0 if the episode did not end).
-    turns: number of policy turns taken.
-    done: whether the environment ended the episode.
-  """
-  transcript: str
-  reward: float
-  turns: int
-  done: bool
-
-
-def run_episode(task: "AgenticTask", example: Example,
-                policy_fn: Callable[[str], str]) -> Episode:
-  """Returns the Episode of `policy_fn` against the example's environment.
-
-  `policy_fn(context)` gets the prompt plus the transcript so far and returns the next turn
-  (the text up to and including CALL_END, or the answer). Its output is clipped to
-  MAX_COMPLETION_CHARS; the loop is bounded by the environment's turn limit.
-  """
-  env = task.environment(example)
-  transcript = ""
-  for _ in range(env.max_turns + 1):
-    turn = clip_completion(policy_fn(example.prompt + transcript))
-    result = env.step(turn)
-    transcript += turn + result.observation
-    if result.done:
-      return Episode(transcript, result.reward, result.turn, True)
-  return Episode(transcript, 0.0, env.turn, False)
-
-
 def policy_turns(transcript: str) -> list[str]:
   """Returns the policy's turns of a transcript: the text around the tool results.
 
@@ -399,17 +363,6 @@ def policy_turns(transcript: str) -> list[str]:
     if end < 0:
       return turns
     rest = rest[end + len(RESULT_END):]
-
-
-def scripted_policy(turns: Sequence[str]) -> Callable[[str], str]:
-  """Returns a policy_fn that ignores its context and plays `turns` in order, then ''."""
-  remaining = list(turns)
-
-  def policy_fn(context: str) -> str:
-    del context
-    return remaining.pop(0) if remaining else ""
-
-  return policy_fn
 
 
 # --------------------------------------------------------------------------------------
