@@ -24,7 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
-from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import lineage
 from bebop_jax.train import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
@@ -38,7 +38,7 @@ _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 def main(argv):
   del argv
   config = config_lib.validate(_CONFIG.value)
-  graphdef, params = checkpoint_lib.restore_policy(config, _WORKDIR.value, stage="sft")
+  graphdef, params = lineage.restore_policy(config, _WORKDIR.value, stage="sft")
   per_task = {n: _PROMPTS.value for n in mtp.heldout_tasks(config)}
   sizes = [int(b) for b in _BATCH.value]
 

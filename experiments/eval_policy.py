@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 from bebop_jax import evaluation
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import lineage
 from bebop_jax.train import sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
@@ -42,7 +42,7 @@ _DEMO_PROBLEMS = flags.DEFINE_integer("demo_problems", 30, "Problems for the dem
 def main(argv):
   del argv
   config = _CONFIG.value
-  graphdef, params = checkpoint_lib.restore_policy(config, _WORKDIR.value, stage="sft")
+  graphdef, params = lineage.restore_policy(config, _WORKDIR.value, stage="sft")
   rollouts = sft.heldout_rollouts(config, graphdef, params, num_examples=_NUM.value,
                                   seed=config.seed)
   names = list(rollouts)

@@ -21,7 +21,7 @@ from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import hf
 from bebop_jax.model import model as policy_lib
-from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import lineage
 from bebop_jax.train import mtp as mtp_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import sft as sft_lib
@@ -64,7 +64,7 @@ def test_the_pipeline_runs_from_a_checkpoint_on_its_vocabulary(tmp_path, capsys)
   # SFT started from the checkpoint's weights: after 4 small steps the trunk is still near
   # them (a random initialisation is not).
   cfg, imported = hf.import_checkpoint(ckpt, mtp="fresh")
-  _, trained = checkpoint_lib.restore_policy(config, workdir, stage="sft")
+  _, trained = lineage.restore_policy(config, workdir, stage="sft")
   a = np.asarray(imported["layers"]["wq"][...])
   b = np.asarray(jax.device_get(trained["layers"]["wq"][...]))
   assert np.abs(a - b).max() < 0.1 * np.abs(a).max()

@@ -13,6 +13,7 @@ from bebop_jax import config as config_lib
 from bebop_jax import report
 from bebop_jax import stages
 from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import lineage
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import mtp
 
@@ -112,7 +113,7 @@ def test_the_eval_stage_measures_the_final_rl_policy(job, tmp_path):
   assert set(got) == set(want)
   for path, value in got.items():
     np.testing.assert_array_equal(value, want[path], err_msg=path)
-  _, entered = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  _, entered = lineage.restore_policy(config, workdir, stage="mtp")
   assert all(not np.array_equal(v, got[p]) for p, v in flat(entered).items())
 
 
@@ -121,8 +122,8 @@ def test_only_the_drafter_changes(job):
   summary = mtp.read_summary(workdir)
   assert {"alpha_1", "tv_1", "kl_1", "ce_1", "expected_accepted_length"} <= set(
       summary["metrics"])
-  _, sft_params = checkpoint_lib.restore_policy(config, workdir, stage="sft")
-  _, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  _, sft_params = lineage.restore_policy(config, workdir, stage="sft")
+  _, params = lineage.restore_policy(config, workdir, stage="mtp")
   flat_sft = dict(jax.tree_util.tree_leaves_with_path(sft_params))
   changed = {jax.tree_util.keystr(p): not np.array_equal(np.asarray(v), np.asarray(flat_sft[p]))
              for p, v in jax.tree_util.tree_leaves_with_path(params)}
@@ -249,7 +250,7 @@ def test_pack_rows():
 def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
   from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
-  graphdef, state = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  graphdef, state = lineage.restore_policy(config, workdir, stage="mtp")
   rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
                                  modes=["rejection"], max_new=16, repeats=1, num_prompts=2,
                                  split_fixed_cost=True)
@@ -267,7 +268,7 @@ def test_decode_benchmark_rows_per_draft_vocabulary(job):
   teacher-forced acceptance); the drafts it accepts are inside it."""
   from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
-  graphdef, state = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  graphdef, state = lineage.restore_policy(config, workdir, stage="mtp")
   ids, _ = mtp.draft_vocabulary(config, workdir, 6, always=(2,))
   rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
                                  modes=["block"], max_new=16, repeats=1, num_prompts=2,
@@ -297,7 +298,7 @@ def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
   ids = rl_stage.draft_vocabulary(config, workdir)
   tok = get_tokenizer()
   assert len(ids) == 8 and {tok.eos_id, tok.call_end_id} <= set(ids)
-  graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  graphdef, params = lineage.restore_policy(config, workdir, stage="mtp")
   task_objs = {"math": tasks_lib.get_task("math", **config.data.tasks["math"].knobs)}
   examples = {"math": pipeline.eval_examples(config.data, "math", 4)}
   ev = rl_stage.evaluate(config, graphdef, params, examples, task_objs, draft_vocab=ids)

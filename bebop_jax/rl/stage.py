@@ -61,6 +61,7 @@ from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
 from bebop_jax.rl import placement as placement_lib
 from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.train import lineage
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import mtp as mtp_stage
 from bebop_jax.train import sft
@@ -88,11 +89,11 @@ def load_initial_policy(config: ml_collections.ConfigDict, workdir: str
   and drafter when it completed in the source workdir, else the SFT policy."""
   source = feedworkdir(config, workdir)
   if mtp_stage.read_summary(source) is not None:
-    graphdef, params = checkpoint_lib.restore_policy(config, source, stage="mtp")
+    graphdef, params = lineage.restore_policy(config, source, stage="mtp")
     return graphdef, params, "mtp"
-  sft_source = mtp_stage.sft_workdir(config, source)
+  sft_source = lineage.sft_workdir(config, source)
   if sft.read_summary(sft_source) is not None:
-    graphdef, params = checkpoint_lib.restore_policy(config, sft_source, stage="sft")
+    graphdef, params = lineage.restore_policy(config, sft_source, stage="sft")
     return graphdef, params, "sft"
   raise FileNotFoundError(f"the RL stage needs a completed SFT (and ideally MTP) stage in "
                           f"{source} (run them first, or set rl.init_from)")

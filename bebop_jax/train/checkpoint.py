@@ -29,9 +29,8 @@ restores onto an (8,) mesh, a (4, 2) mesh or a single device. Leaves without a s
 replicated over the mesh of the other leaves (or put on the first device when none has one).
 
 Parameters only: `Checkpointer.restore_params` reads the parameter entries of a saved state
-and nothing else (orbax's partial restore), and `restore_policy` builds a stage's whole
-policy from them (the SFT trunk, the MTP stage's modules over it, or the RL stage's final
-parameters): inference never builds an optimizer nor reads its state.
+and nothing else (orbax's partial restore); train/lineage.restore_policy builds a stage's
+whole policy from them.
 
 Typical use:
 
@@ -483,121 +482,22 @@ class Checkpointer:
     self.close()
 
 
-# ------------------------------------------------------------------------ a stage's policy
-
-# The entries of each stage's saved state that hold parameters (the rest is optimizer state,
-# counters and buffers, which only resuming that stage needs): SFT and MTP save
-# trainer.TrainState.checkpoint_tree() (their trainable subset; the frozen rest comes from the
-# stage they started from), the RL stage its learner's trunk and MTP modules (everything).
-PARAM_KEYS = {"sft": ("trainable",), "mtp": ("trainable",), "rl": ("trunk", "mtp")}
-
+# ------------------------------------------------------------------------ stage layout
 
 def checkpoint_dir(workdir: str, stage: str) -> str:
   """Where `stage` keeps its checkpoints in `workdir`."""
   return os.path.join(workdir, stage, "checkpoints")
 
 
-def sft_workdir(config: Any, workdir: str) -> str:
-  """The workdir whose SFT policy the MTP stage of `workdir` trains a drafter for
-  (mtp.init_from, default `workdir` itself)."""
-  return (os.path.abspath(os.path.expanduser(config.mtp.init_from)) if config.mtp.init_from
-          else workdir)
+# A stage's policy for inference (restore_policy and its helpers) is train/lineage.py. These
+# names resolve there for the callers not yet moved to it (train/mtp.py, eval_stage.py,
+# experiments/findings); drop this once they import bebop_jax.train.lineage.
+_MOVED_TO_LINEAGE = ("PARAM_KEYS", "initial_policy", "restore_policy", "sft_workdir",
+                     "uses_pretrained")
 
 
-def uses_pretrained(config: Any, workdir: str) -> bool:
-  """Whether the policy of `workdir` is `sft.init_from_hf` as it is: no SFT stage ran there."""
-  return bool(config.sft.init_from_hf) and not os.path.isdir(checkpoint_dir(workdir, "sft"))
-
-
-def initial_policy(config: Any, model_cfg: Any, mesh, rules) -> Any:
-  """The policy SFT starts from: a random initialisation, or (sft.init_from_hf) a Hugging Face
-  Qwen3 checkpoint placed onto the mesh, its MTP modules by sft.hf_mtp (hf.MTP_MODES). The
-  parameters SFT does not train keep these values, so restoring a policy takes them from
-  here too."""
-  from bebop_jax.model import hf  # pylint: disable=g-import-not-at-top
-  from bebop_jax.model import model as policy_lib  # pylint: disable=g-import-not-at-top
-  path = config.sft.init_from_hf
-  if not path:
-    return policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed))
-  cfg, state = hf.import_checkpoint(
-      path, mesh=mesh, rules=rules, dtype=model_cfg.param_dtype, mtp=config.sft.hf_mtp,
-      num_mtp_modules=model_cfg.num_mtp_modules, num_draft_steps=model_cfg.num_draft_steps,
-      seed=config.seed, vocab_size=model_cfg.vocab_size)
-  hf.check_matches(cfg, model_cfg, f"config.sft.init_from_hf={path!r}")
-  # config.model's graph: its compute dtype, attention and remat choices over these weights.
-  print(f"[sft] starting from {path} ({policy_lib.num_params(state) / 1e6:.1f}M parameters, "
-        f"MTP modules: {config.sft.hf_mtp})")
-  return nnx.merge(policy_lib.abstract_state(model_cfg)[0], state)
-
-
-def restore_policy(config: Any, workdir: str, *, stage: str = "mtp", step: int | None = None,
-                   mesh=None, rules=None) -> tuple[nnx.GraphDef, nnx.State]:
-  """(graphdef, parameters) of the policy `stage` left in `workdir`, for inference.
-
-  Only parameters are read (Checkpointer.restore_params): no optimizer is built and no
-  optimizer state is read, so every inference path (the eval stage, the findings, the
-  benchmarks, the RL stage's starting point) depends on the checkpoints alone, not on the
-  training configuration that wrote them.
-
-  Args:
-    config: the run's config (model shape, sft.init_from_hf, mtp.init_from, seed).
-    workdir: the workdir holding `stage`'s checkpoints.
-    stage: "sft": the SFT policy (with its jointly trained MTP modules); its parameters SFT
-      did not train, and with sft.init_from_hf and no SFT stage in `workdir` all of them,
-      come from `initial_policy`. "mtp": that policy (of `sft_workdir(config, workdir)`)
-      with the MTP stage's trained subset over it. "rl": the RL stage's trunk and MTP
-      modules (its checkpoints hold every parameter).
-    step: the step of `stage`'s checkpoint (None: the latest); earlier stages' latest.
-    mesh, rules: place every parameter on its sharding under these logical-axis rules (None:
-      everything on this process's first device, multihost.local_device()).
-
-  Raises:
-    FileNotFoundError: `stage` has no checkpoint in `workdir`.
-  """
-  from bebop_jax import sharding  # pylint: disable=g-import-not-at-top
-  from bebop_jax.model import config as model_config  # pylint: disable=g-import-not-at-top
-  from bebop_jax.model import model as policy_lib  # pylint: disable=g-import-not-at-top
-  if stage not in PARAM_KEYS:
-    raise ValueError(f"stage={stage!r} is not allowed: one of {tuple(PARAM_KEYS)}")
-  model_cfg = model_config.ModelConfig.from_dict(config.model.to_dict())
-  rules = sharding.DEFAULT_RULES if rules is None else rules
-  graphdef, abstract = policy_lib.abstract_state(model_cfg)
-  abstract = abstract_like(abstract, SingleDeviceSharding(multihost.local_device())
-                           if mesh is None else sharding.state_shardings(abstract, mesh, rules))
-
-  def placed(params: nnx.State) -> nnx.State:
-    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params,
-                        _only(abstract, _paths(params)))
-
-  def load(stage: str, workdir: str, step: int | None) -> nnx.State:
-    if stage == "sft" and uses_pretrained(config, workdir):
-      return placed(nnx.state(initial_policy(config, model_cfg, mesh, rules)))
-    directory = checkpoint_dir(workdir, stage)
-    if not os.path.isdir(directory):  # a Checkpointer would create it
-      raise FileNotFoundError(f"no {stage} checkpoint in {workdir}: run the {stage!r} stage")
-    with Checkpointer(directory) as ckpt:
-      params = ckpt.restore_params(step, abstract, PARAM_KEYS[stage])
-    missing = _paths(abstract) - _paths(params)
-    if not missing:
-      return params
-    if stage == "sft":
-      base = nnx.state(initial_policy(config, model_cfg, mesh, rules))
-    elif stage == "mtp":
-      base = load("sft", sft_workdir(config, workdir), None)
-    else:
-      raise CheckpointMismatchError(
-          f"the RL checkpoint in {workdir} lacks parameters: "
-          f"{sorted('/'.join(map(str, p)) for p in missing)[:3]}")
-    return nnx.merge_state(placed(_only(base, missing)), params)
-
-  return graphdef, load(stage, workdir, step)
-
-
-def _paths(state: nnx.State) -> set[tuple]:
-  """The paths of the leaves of an nnx state."""
-  return {tuple(path) for path, _ in state.flat_state()}
-
-
-def _only(state: nnx.State, paths: set[tuple]) -> nnx.State:
-  """The part of `state` at `paths`."""
-  return state.filter(lambda path, _: tuple(path) in paths)
+def __getattr__(name: str) -> Any:
+  if name in _MOVED_TO_LINEAGE:
+    from bebop_jax.train import lineage  # pylint: disable=g-import-not-at-top
+    return getattr(lineage, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

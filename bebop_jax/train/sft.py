@@ -33,6 +33,7 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import flops as flops_lib
+from bebop_jax.train import lineage
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
@@ -129,7 +130,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   rules = tuple(tuple(r) for r in config.mesh.rules)
   num_steps = s.train.num_steps
 
-  model = checkpoint_lib.initial_policy(config, model_cfg, mesh, rules)
+  model = lineage.initial_policy(config, model_cfg, mesh, rules)
   graphdef, trainable, frozen = nnx.split(
       model, optimizer_lib.trainable_filter(s.optim.trainable), ...)
   tx, schedule = optimizer_lib.make_optimizer(s.optim, num_steps)
