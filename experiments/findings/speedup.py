@@ -2,7 +2,7 @@
 from the e2e_tv drafter of F3, on the same prompts and seeds, with the bounds the measured
 decode speedup and rollout share allow.
 
-The arms run interleaved and bench_rl.run_arms pairs their step times by step: each ratio of
+The arms run interleaved and rl_benchmark.run_arms pairs their step times by step: each ratio of
 two arms comes with a 95% interval ("pairs"). The page's headline pairs are speculative
 against autoregressive at equal scheduling (async vs async, sync vs sync), beside
 speculative async against autoregressive sync. The verdict is rules.SPEEDUP; the placement
@@ -33,14 +33,14 @@ PAIRS = (*rules.PAIRS_HEADLINE, rules.PAIR_END_TO_END,
 def measure(ctx: common.Context) -> dict:
   s = ctx.scale
   split = jax.device_count() >= 2
-  config = bench_rl.bench_config(ctx.config(), ctx.drafter("e2e_tv", 0), steps=s.bench_steps,
+  config = rl_benchmark.bench_config(ctx.config(), ctx.drafter("e2e_tv", 0), steps=s.bench_steps,
                                  eval_every=s.bench_steps, eval_examples=s.bench_eval_examples,
                                  max_staleness=1, split=split)
   workdir = os.path.join(ctx.workdir, "speedup")
   from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
-  pending = [a for a in bench_rl.ARMS if rl_stage.read_summary(os.path.join(workdir, a)) is None]
+  pending = [a for a in rl_benchmark.ARMS if rl_stage.read_summary(os.path.join(workdir, a)) is None]
   start = time.perf_counter()
-  result = bench_rl.run_arms(config, workdir, bench_rl.ARMS, split=split, warmup=s.bench_warmup,
+  result = rl_benchmark.run_arms(config, workdir, rl_benchmark.ARMS, split=split, warmup=s.bench_warmup,
                              block_steps=s.bench_block_steps)
   if pending:
     ctx.record("speedup", time.perf_counter() - start)
@@ -51,7 +51,7 @@ def measure(ctx: common.Context) -> dict:
 
 def plot(result: dict, out_dir: str) -> str:
   plt = common.pyplot()
-  arms = [a for a in bench_rl.ARMS if a in result["arms"]]
+  arms = [a for a in rl_benchmark.ARMS if a in result["arms"]]
   stats = [result["arms"][a] for a in arms]
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   x = np.arange(len(arms))
@@ -100,7 +100,7 @@ def run(ctx: common.Context) -> common.Finding:
   rows = [{"arm": a, **{k: v for k, v in s.items() if not isinstance(v, (list, dict))}}
           for a, s in result["arms"].items()]
   body = (f"{ctx.scale.bench_steps} RL steps per arm, max_staleness 1.\n\n" +
-          bench_rl.markdown(result["arms"], result["ratios"], result["target"],
+          rl_benchmark.markdown(result["arms"], result["ratios"], result["target"],
                             pairs=result.get("pairs"), placement=result.get("placement"),
                             schedule=result.get("schedule")))
   f = common.Finding(NAME, TITLE, CLAIM, v, reason, body, result, rows, [figure], rule=rule)
