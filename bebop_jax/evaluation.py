@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data import get_tokenizer, pipeline
+from bebop_jax.data import pipeline
+from bebop_jax.data.tokenizer import BaseTokenizer
 from bebop_jax.rollout import RolloutEngine, Rollouts, RolloutSettings
 
 
@@ -98,13 +99,14 @@ def entropy_stats(rollouts: Mapping[str, Rollouts]) -> dict[str, dict]:
   return out
 
 
-def demonstration_entropy(task, examples, num_samples: int) -> dict[str, float]:
+def demonstration_entropy(task, examples, num_samples: int, *,
+                          tokenizer: BaseTokenizer) -> dict[str, float]:
   """The entropy of a task's sampled demonstrations themselves: per example `num_samples`
-  paths from `task.demonstration`, and at every policy position of every path (tool
-  results left out) the entropy of the next token among the paths sharing its prefix (a
-  plug-in estimate, biased low for few samples). Returns the mean and the fraction of
-  positions above ENTROPY_THRESHOLD."""
-  tok = get_tokenizer()
+  paths from `task.demonstration` (as `tokenizer` encodes completions), and at every policy
+  position of every path (tool results left out) the entropy of the next token among the
+  paths sharing its prefix (a plug-in estimate, biased low for few samples). Returns the
+  mean and the fraction of positions above ENTROPY_THRESHOLD."""
+  tok = tokenizer
   ents = []
   for ex in examples:
     seqs = [tuple(tok.encode_completion(task.demonstration(ex, s)))

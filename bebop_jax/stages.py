@@ -13,7 +13,6 @@ from bebop_jax import config as config_lib
 from bebop_jax import multihost
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import benchmark
 from bebop_jax.train import metrics as metrics_lib
 
@@ -147,8 +146,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   """Runs the config's stages in the canonical order. `release_compiled` drops JAX's
   compiled programs after each stage (benchmark.release_compiled: a long job on CPU would
   otherwise run out of memory maps); a caller running many small stages of one model keeps
-  them, and later stages reuse the traced and compiled programs of earlier ones. The
-  config's `data.tokenizer` is the active tokenizer (`get_tokenizer()`) while they run.
+  them, and later stages reuse the traced and compiled programs of earlier ones. Each
+  stage tokenizes with the config's `data.tokenizer` (`data.tokenizer.for_data(config.data)`,
+  passed down to what tokenizes); no tokenizer is set for the stages or left behind.
   <workdir>/timing.json gets each stage's seconds and, under "compile", the seconds of them
   spent compiling and the persistent compilation cache's hits (metrics.compile_stats); the
   times of stages an earlier invocation ran there, and this one does not, are kept."""
@@ -165,19 +165,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
       timing["compile"][name] = earlier.get("compile", {}).get(name)
   timing["earlier_s"] = sum(v for k, v in timing.items() if k.endswith("_s"))
   check_shards(config)
-  with tokenizer_lib.use_tokenizer(tokenizer_lib.for_data(config.data)):
-    prepare_datasets(config)
-    for name in config_lib.STAGES:
-      if name in config.stages:
-        start, compiles = time.perf_counter(), metrics_lib.compile_stats()
-        STAGE_FNS[name](config, workdir)
-        if release_compiled:
-          benchmark.release_compiled()  # the next stage compiles its own functions
-        timing[f"{name}_s"] = time.perf_counter() - start
-        timing["compile"][name] = metrics_lib.compile_stats(since=compiles)
-        eval_lib.write_timing(workdir, timing)  # the eval stage reports the earlier stages
-        # Process 0 wrote the stage's files: every process sees them before the next stage.
-        multihost.barrier(f"after_{name}")
+  prepare_datasets(config)
+  for name in config_lib.STAGES:
+    if name in config.stages:
+      start, compiles = time.perf_counter(), metrics_lib.compile_stats()
+      STAGE_FNS[name](config, workdir)
+      if release_compiled:
+        benchmark.release_compiled()  # the next stage compiles its own functions
+      timing[f"{name}_s"] = time.perf_counter() - start
+      timing["compile"][name] = metrics_lib.compile_stats(since=compiles)
+      eval_lib.write_timing(workdir, timing)  # the eval stage reports the earlier stages
+      # Process 0 wrote the stage's files: every process sees them before the next stage.
+      multihost.barrier(f"after_{name}")
   if any(n in config.stages for n in ("sft", "mtp", "rl", "eval")):
     summary = eval_lib.read_summary(workdir)
     # A rerun that skipped finished stages keeps the times of the run that did them.

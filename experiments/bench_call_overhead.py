@@ -37,7 +37,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import (adaptive, autoregressive, benchmark, sampling, segments,
                                 speculative)
 from bebop_jax.train import mtp
@@ -59,7 +59,7 @@ def main(argv):
   graphdef, state, source = mtp.load_workdir_policy(
       config, _WORKDIR.value, which="random" if _RANDOM.value else "auto")
   tokens, lengths = benchmark.prompt_batches(config, 1, _PROMPT.value + 1)[_PROMPT.value]
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)
   stop = (tok.eos_id, tok.call_end_id)
   params = sampling.SamplingParams(temperature=1.0)
   kw = dict(max_new_tokens=_NEW.value, cache_length=tokens.shape[1] + _NEW.value + 8,

@@ -50,7 +50,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import adaptive, benchmark
 from bebop_jax.train import mtp
 
@@ -106,7 +106,7 @@ def main(argv):
       continue
     if not label.isdigit():
       raise ValueError(f"--draft_vocab={label!r} is not allowed: 'full' or a size")
-    tok = get_tokenizer()
+    tok = tokenizer_lib.for_data(config.data)
     ids, coverage[label] = mtp.draft_vocabulary(config, _WORKDIR.value, int(label),
                                                 always=(tok.eos_id, tok.call_end_id))
     draft_vocabs[label] = ids

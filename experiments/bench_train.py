@@ -35,6 +35,7 @@ from bebop_jax import config as config_lib
 from bebop_jax import rollout, sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import flops as flops_lib
@@ -137,7 +138,8 @@ def rl_rollouts(config) -> rollout.Rollouts:
   names = sorted({ex.task for ex in exs})
   completion = lambda ex, row, seed: ex.demonstration[:len(ex.demonstration) - row % 2]
   engine = rollout.MockEngine({n: tasks_lib.get_task(n) for n in names}, completion,
-                              rollout.RolloutSettings(max_new_tokens=c.rollout.max_new_tokens))
+                              rollout.RolloutSettings(max_new_tokens=c.rollout.max_new_tokens),
+                              tokenizer=tokenizer_lib.for_data(config.data))
   return engine.generate(exs, jax.random.key(config.seed))
 
 

@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 from bebop_jax import evaluation
 from bebop_jax import tasks as tasks_lib
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.train import lineage
 from bebop_jax.train import sft
 
@@ -55,9 +56,9 @@ def main(argv):
   for n in names:
     rewards = rollouts[n].rewards
     solved = tasks_lib.solved(rewards).astype(float)
-    demo = evaluation.demonstration_entropy(task_objs[n], [task_objs[n].sample(i) for i in
-                                                range(_DEMO_PROBLEMS.value)],
-                                 _DEMO_SAMPLES.value)
+    demo = evaluation.demonstration_entropy(
+        task_objs[n], [task_objs[n].sample(i) for i in range(_DEMO_PROBLEMS.value)],
+        _DEMO_SAMPLES.value, tokenizer=tokenizer_lib.for_data(config.data))
     results[n] = {"pass_at_1": float(solved.mean()),
                   "pass_at_1_se": evaluation.standard_error(solved),
                   "mean_reward": float(rewards.mean()),

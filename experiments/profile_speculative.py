@@ -39,7 +39,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from bebop_jax import config as config_lib
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import autoregressive, benchmark, sampling, speculative
 from bebop_jax.train import mtp
 
@@ -78,7 +78,7 @@ def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int,
   generations that stop where a rollout turn stops, as bench_decode does."""
   params = sampling.SamplingParams(temperature=1.0)
   cache_length = max(t.shape[1] for t, _ in prompts) + max_new + 8
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)
 
   def run(kind, new, stops):
     def go():

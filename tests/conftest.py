@@ -34,7 +34,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-from bebop_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 
 # The longest files first: with two workers taking one file at a time, a long file picked
 # up last would run alone at the end.
@@ -57,14 +56,6 @@ def one_device_env():
   flags = [f for f in os.environ["XLA_FLAGS"].split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   return {**os.environ, "XLA_FLAGS": " ".join(flags)}
-
-
-@pytest.fixture(autouse=True)
-def _default_tokenizer_after_each_test():
-  """config.validate makes a config's data.tokenizer the active one: no test leaves another
-  tokenizer than the default active for the tests after it."""
-  yield
-  tokenizer_lib.set_tokenizer(None)
 
 
 @pytest.fixture(scope="session")

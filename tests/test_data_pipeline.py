@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from bebop_jax.data import get_tokenizer, pipeline
+from bebop_jax.data import pipeline
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.tasks import TASK_NAMES, Example, base, get_task
 
 
@@ -14,10 +15,10 @@ def _equal(a, b):
 
 
 def test_sft_features_mask_prompt_and_tool_results():
-  tok = get_tokenizer()
+  tok = tokenizer_lib.load_tokenizer("char")
   demo = f"x{base.CALL_START}get(a, b){base.CALL_END}{base.RESULT_START}42{base.RESULT_END}" \
          f"{base.ANSWER_MARKER}42"
-  f = pipeline.sft_features("Q?\n", demo)
+  f = pipeline.sft_features("Q?\n", demo, tok)
   text = [tok.decode([t]) for t in f["tokens"]]
   assert text[0] == base.BOS_MARKER and text[-1] == base.EOS_MARKER
   masked = "".join(t for t, m in zip(text, f["loss_mask"]) if m)
@@ -26,15 +27,15 @@ def test_sft_features_mask_prompt_and_tool_results():
 
 
 def test_tool_result_mask_unterminated_runs_to_end():
-  tok = get_tokenizer()
+  tok = tokenizer_lib.load_tokenizer("char")
   ids = np.array(tok.encode(f"a{base.RESULT_START}bc"))
-  assert pipeline.tool_result_mask(ids).tolist() == [False, True, True, True]
+  assert pipeline.tool_result_mask(ids, tok).tolist() == [False, True, True, True]
 
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_sft_batches_shapes_masks_and_segments(tiny_data_config, packing):
   ds = pipeline.sft_dataset(tiny_data_config, batch_size=4, seq_len=192, packing=packing)
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(tiny_data_config)
   for batch in _take(iter(ds), 3):
     assert set(batch) == {"tokens", "segment_ids", "positions", "loss_mask"}
     for v in batch.values():
@@ -57,7 +58,7 @@ def test_sft_batches_shapes_masks_and_segments(tiny_data_config, packing):
 
 
 def test_sft_mixture_uses_all_tasks(tiny_data_config):
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(tiny_data_config)
   ds = pipeline.sft_dataset(tiny_data_config, batch_size=8, seq_len=256, packing=False)
   text = " ".join(tok.decode(row, strip_pad=True) for b in _take(iter(ds), 4)
                   for row in b["tokens"])
@@ -86,7 +87,7 @@ def test_rl_prompt_batches_repeat_each_prompt(tiny_data_config):
                                   max_prompt_len=128, seed=1)
   it = iter(ds)
   batches = _take(it, 3)
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(tiny_data_config)
   for b in batches:
     assert b["prompt_tokens"].shape == (12, 128)
     assert b["group_ids"].tolist() == [0] * 4 + [1] * 4 + [2] * 4
@@ -151,7 +152,7 @@ def test_sft_samples_a_fresh_demonstration_at_every_visit(tiny_data_config):
   config.tasks.math.knobs.diversity = 0.8
   config.tasks.math.knobs.restate = 0.4
   config.tasks.math.knobs.spacing = 0.4
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config)
 
   def texts(seed, batches):
     it = iter(pipeline.sft_dataset(config, batch_size=4, seq_len=64, packing=False,
@@ -181,7 +182,7 @@ def test_the_first_canonical_examples_use_the_canonical_demonstration(tiny_data_
   config.tasks.math.knobs.diversity = 1.0
   config.tasks.math.knobs.spacing = 0.5
   config.canonical_examples = 2 * config.num_train
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config)
   it = iter(pipeline.sft_dataset(config, batch_size=4, seq_len=64, packing=False))
   texts = [tok.decode(row, strip_pad=True) for _ in range(config.num_train)
            for row in next(it)["tokens"]]  # four epochs: two canonical, two sampled

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bebop_jax import rollout
+from bebop_jax.data.tokenizer import load_tokenizer
 from bebop_jax.decoding import multi_turn, sampling, speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -123,7 +124,8 @@ class _ScriptedEnv:
 
 
 # Every row's prompt ends in token 20, so each episode starts 85, 86, 87, 88, 89; "a" is
-# token 74, after which the chain goes 75, 76, ... max_new_tokens 12, max_turn_tokens 5.
+# token 74 (of the char tokenizer the episodes are handed), after which the chain goes 75,
+# 76, ... max_new_tokens 12, max_turn_tokens 5.
 # (stops, replies, expected tokens, policy mask length pattern, done, truncated)
 CASES = [
     # A stop token ends the only turn.
@@ -150,7 +152,7 @@ def test_truncated_and_emitted_tokens_of_episodes(engine):
   envs = [_ScriptedEnv(list(replies)) for _, replies, *_ in CASES]
   row_stops = np.array([[t in stops for t in STOP_TOKENS] for stops, *_ in CASES])
   kw = dict(batch_size=8, max_new_tokens=12, max_turn_tokens=5, params=GREEDY,
-            stop_tokens=STOP_TOKENS, row_stops=row_stops)
+            stop_tokens=STOP_TOKENS, row_stops=row_stops, tokenizer=load_tokenizer("char"))
   if engine == "speculative":
     episodes = multi_turn.speculative_episodes(GRAPHDEF, STATE, prompts, envs,
                                                jax.random.key(0), mode="exact", **kw)

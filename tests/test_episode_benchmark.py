@@ -10,7 +10,7 @@ import pytest
 from bebop_jax import config as config_lib
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import benchmark, multi_turn, sampling
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -49,7 +49,7 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
                                                                   monkeypatch):
   config = config_lib.base_config()
   config.data = tiny_data_config
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)  # the benchmark's tokenizer
   # Three prompts in batches of 2: four episodes, the first four held-out agentic prompts.
   examples = pipeline.eval_examples(config.data, "agentic", 4)
   prompts = [tok.encode(ex.prompt, add_bos=True) for ex in examples]
@@ -67,7 +67,7 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
       (2, 4, 1.0, mode) for mode in modes]
 
   task = _EchoAgenticTask(**config.data.tasks.agentic.knobs)
-  common = dict(params=sampling.SamplingParams(1.0),
+  common = dict(tokenizer=tok, params=sampling.SamplingParams(1.0),
                 stop_tokens=(tok.eos_id, tok.call_end_id), max_turns=task.max_turns, **KW)
   envs = lambda: [task.environment(ex) for ex in examples]
   key = jax.random.key(4)

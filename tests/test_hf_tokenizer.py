@@ -1,5 +1,6 @@
 """HFTokenizer on small byte-level BPE tokenizers trained here on our own task text, and the
-choice of the active tokenizer by `data.tokenizer`."""
+choice of the tokenizer by `data.tokenizer` (`tokenizer_lib.for_data`), handed to the code
+that tokenizes: there is no active tokenizer to set or leave behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from bebop_jax import config as config_lib
-from bebop_jax import data
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.tokenizer import HFTokenizer, Tokenizer
@@ -222,8 +222,9 @@ def test_a_tokenizer_that_does_not_round_trip_is_rejected(tmp_path):
 
 
 def test_load_tokenizer(files, tmp_path):
-  assert tokenizer_lib.load_tokenizer("char") is tokenizer_lib.get_tokenizer()
-  assert isinstance(tokenizer_lib.load_tokenizer("char"), Tokenizer)
+  char = tokenizer_lib.load_tokenizer("char")
+  assert isinstance(char, Tokenizer) and tokenizer_lib.load_tokenizer("char") is char
+  assert tokenizer_lib.for_data(config_lib.base_config().data) is char  # the default
   path = files["with_markers"]
   tok = tokenizer_lib.load_tokenizer(path)
   assert tokenizer_lib.load_tokenizer(os.path.dirname(path)) is tok  # the directory; cached
@@ -243,24 +244,32 @@ def _config(spec: str, vocab_size: int = 640):
   return config
 
 
-def test_the_config_chooses_the_active_tokenizer(files):
-  char = tokenizer_lib.get_tokenizer()
-  assert isinstance(char, Tokenizer) and config_lib.base_config().data.tokenizer == "char"
-  config_lib.validate(_config(files["with_markers"]))
-  hf = tokenizer_lib.get_tokenizer()
+def test_the_config_chooses_the_tokenizer(files):
+  char = tokenizer_lib.load_tokenizer("char")
+  assert config_lib.base_config().data.tokenizer == "char"
+  config = _config(files["with_markers"])
+  assert config_lib.validate(config) is config  # checks it (loading the file), sets nothing
+  hf = tokenizer_lib.for_data(config.data)
   assert isinstance(hf, HFTokenizer) and hf.path == files["with_markers"]
-  assert data.encode("<|call|>get(a,b)") == hf.encode("<|call|>get(a,b)")
-  assert data.encode("ab") != char.encode("ab")
-  # the call sites use it: the SFT features and their tool-result mask
+  assert tokenizer_lib.for_data(config.data) is hf  # loaded once
+  assert hf.encode("ab") != char.encode("ab")
+  # the code handed it uses it: the SFT features and their tool-result mask
   prompt, demo = "What is x?\n", "<|call|>get(x,age)<|/call|><|result|>7<|/result|><|answer|>7"
-  feats = pipeline.sft_features(prompt, demo)
+  feats = pipeline.sft_features(prompt, demo, hf)
   assert feats["tokens"].tolist() == hf.encode(prompt, add_bos=True) + hf.encode(
       demo, add_eos=True)
   result = hf.encode("<|result|>7<|/result|>")
   masked = [t for t, m in zip(feats["tokens"], feats["loss_mask"]) if not m]
   assert masked == hf.encode(prompt, add_bos=True) + result
-  config_lib.validate(config_lib.base_config())
-  assert tokenizer_lib.get_tokenizer() is char  # the char tokenizer again
+  # No tokenizer is taken from anywhere else: it is a required argument.
+  with pytest.raises(TypeError, match="tokenizer"):
+    pipeline.sft_features(prompt, demo)  # pylint: disable=no-value-for-parameter
+  with pytest.raises(TypeError, match="tokenizer"):
+    pipeline.tool_result_mask(feats["tokens"])  # pylint: disable=no-value-for-parameter
+  # Validating the HF config changed nothing for a char config.
+  assert tokenizer_lib.for_data(config_lib.base_config().data) is char
+  assert pipeline.sft_features(prompt, demo, char)["tokens"].tolist() == char.encode(
+      prompt, add_bos=True) + char.encode(demo, add_eos=True)
 
 
 def test_data_tokenizer_errors_name_the_key_and_the_path(files, tmp_path):
@@ -275,22 +284,44 @@ def test_data_tokenizer_errors_name_the_key_and_the_path(files, tmp_path):
   with pytest.raises(config_lib.ConfigError, match=rf"config.model.vocab_size=128 .*must be "
                      rf">= the tokenizer's {vocab} \(data.tokenizer="):
     config_lib.validate(_config(files["with_markers"], vocab_size=128))
-  assert isinstance(tokenizer_lib.get_tokenizer(), Tokenizer)  # a failed validate sets none
 
 
-def test_use_tokenizer_and_stages_run_restore_the_previous_one(files, tmp_path, monkeypatch):
+def test_stages_run_tokenizes_with_the_config_tokenizer_and_leaves_nothing_behind(
+    files, tiny_data_config, tmp_path, monkeypatch):
+  """stages.run hands each stage the config; what a stage tokenizes (here the RL prompt
+  batches of the data section) is in the config's data.tokenizer, and a run with an HF
+  config leaves nothing behind: a char run after it tokenizes in the char vocabulary."""
   from bebop_jax import stages  # pylint: disable=g-import-not-at-top
-  char = tokenizer_lib.get_tokenizer()
-  with tokenizer_lib.use_tokenizer(files["qwen_like"]) as tok:
-    assert tokenizer_lib.get_tokenizer() is tok and isinstance(tok, HFTokenizer)
-  assert tokenizer_lib.get_tokenizer() is char
+  from bebop_jax.tasks import Example  # pylint: disable=g-import-not-at-top
   seen = []
-  monkeypatch.setitem(stages.STAGE_FNS, "data",
-                      lambda config, workdir: seen.append(tokenizer_lib.get_tokenizer()))
-  config = _config(files["without_markers"])
-  stages.run(config, str(tmp_path), release_compiled=False)
-  assert seen == [tokenizer_lib.load_tokenizer(files["without_markers"])]
-  assert tokenizer_lib.get_tokenizer() is char
+
+  def data_stage(config, workdir):
+    del workdir
+    batch = next(iter(pipeline.rl_prompt_dataset(config.data, prompts_per_batch=2,
+                                                 group_size=1, max_prompt_len=512)))
+    prompts = [Example.from_json(x).prompt for x in batch["example_json"]]
+    seen.append([row[:n].tolist() for row, n in zip(batch["prompt_tokens"],
+                                                    batch["prompt_lengths"])])
+    seen.append(prompts)
+
+  monkeypatch.setitem(stages.STAGE_FNS, "data", data_stage)
+  runs = {}
+  for name, spec in (("hf", files["without_markers"]), ("char", "char")):
+    config = _config(spec)
+    config.data = tiny_data_config.copy_and_resolve_references()
+    config.data.tokenizer = spec
+    config_lib.validate(config)
+    (tmp_path / name).mkdir()
+    stages.run(config, str(tmp_path / name), release_compiled=False)
+    tokens, prompts = seen[-2:]
+    tok = tokenizer_lib.load_tokenizer(spec)
+    assert tokens == [tok.encode_prompt(p) for p in prompts]
+    runs[spec] = tokens
+  hf = tokenizer_lib.load_tokenizer(files["without_markers"])
+  assert isinstance(hf, HFTokenizer) and runs[files["without_markers"]] != runs["char"]
+  # The module holds no tokenizer of its own that a run could switch.
+  assert not [name for name, value in vars(tokenizer_lib).items()
+              if isinstance(value, tokenizer_lib.BaseTokenizer)]
 
 
 def test_cached_rollouts_are_keyed_by_the_tokenizer(files):
@@ -303,7 +334,7 @@ def test_cached_rollouts_are_keyed_by_the_tokenizer(files):
 
 
 def test_the_char_tokenizer_implements_the_interface():
-  tok = tokenizer_lib.get_tokenizer()
+  tok = tokenizer_lib.load_tokenizer("char")
   assert isinstance(tok, tokenizer_lib.BaseTokenizer) and tok.fingerprint == "char"
   assert [getattr(tok, attr) for attr in ID_NAMES] == list(range(len(MARKERS)))
   assert json.dumps(tok.specials) == json.dumps(list(MARKERS))
@@ -378,10 +409,7 @@ def test_chat_format_errors_are_named(files, chat_dir):
   config = _config(chat_dir)
   config.data.chat_format = True
   config_lib.validate(config)
-  try:
-    assert tokenizer_lib.get_tokenizer().end_of_turn == "<|im_end|>"
-  finally:
-    config_lib.validate(config_lib.base_config())
+  assert tokenizer_lib.for_data(config.data).end_of_turn == "<|im_end|>"
 
 
 def test_plain_answer_lines_are_found_where_the_marker_is():

@@ -289,14 +289,14 @@ def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
   rollouts, through multi_turn and the jitted loop."""
   from bebop_jax import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
+  from bebop_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
   config = config_lib.validate(config.copy_and_resolve_references())
   assert rl_stage.draft_vocabulary(config, workdir) is None  # 0: the whole head
   config.rl.rollout.draft_vocab = 8
   ids = rl_stage.draft_vocabulary(config, workdir)
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)
   assert len(ids) == 8 and {tok.eos_id, tok.call_end_id} <= set(ids)
   graphdef, params = lineage.restore_policy(config, workdir, stage="mtp")
   task_objs = {"math": tasks_lib.get_task("math", **config.data.tasks["math"].knobs)}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bebop_jax.data.tokenizer import load_tokenizer
 from bebop_jax.decoding import autoregressive, multi_turn, sampling, speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -18,6 +19,7 @@ CONFIG = model_config.preset("tiny")
 GRAPHDEF, STATE = policy_lib.init(CONFIG, seed=3)
 K = CONFIG.num_draft_steps
 STOP = (2,)
+TOK = load_tokenizer("char")  # the tokenizer the episodes are handed
 
 
 def _prompts(b=3, p=12, seed=0):
@@ -103,8 +105,7 @@ def multi_turn_result(observation, done, reward):
 
 def _reprefill_greedy(prompt, env, max_new_tokens, max_turn_tokens, stop):
   """Reference: greedy autoregressive decoding from the whole context at every turn."""
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
-  tok = get_tokenizer()
+  tok = TOK
   completion, mask = [], []
   while True:
     ctx = list(prompt) + completion
@@ -129,8 +130,7 @@ def _reprefill_greedy(prompt, env, max_new_tokens, max_turn_tokens, stop):
 
 @pytest.mark.parametrize("engine", ["speculative", "autoregressive", "adaptive"])
 def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(engine):
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
-  tok = get_tokenizer()
+  tok = TOK
   prompts = [tok.encode(s, add_bos=True) for s in ("what is 3+4?", "get age of bob", "x")]
   replies = ["<|result|>7<|/result|>", "<|result|>error: unknown entity<|/result|>", "ok"]
   stop = (tok.eos_id, tok.call_end_id)
@@ -147,11 +147,12 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
     episodes = multi_turn.speculative_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
         params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop,
-        adaptive_settings=settings, adaptive_stats=stats, **kw)
+        adaptive_settings=settings, adaptive_stats=stats, tokenizer=TOK, **kw)
   else:
     episodes = multi_turn.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
-        params=sampling.SamplingParams(0.0), stop_tokens=stop, prompt_buckets=(64,), **kw)
+        params=sampling.SamplingParams(0.0), stop_tokens=stop, prompt_buckets=(64,),
+        tokenizer=TOK, **kw)
   for i, ep in enumerate(episodes):
     env = _EchoEnv(replies[i], turns=2 + i)
     tokens, mask, reward = _reprefill_greedy(prompts[i], env, stop=stop, **kw)
@@ -180,8 +181,7 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
 
 
 def test_episodes_compile_once_per_bucket():
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
-  tok = get_tokenizer()
+  tok = TOK
 
   def run(seed):
     prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
@@ -190,7 +190,7 @@ def test_episodes_compile_once_per_bucket():
     return multi_turn.speculative_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
         max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
-        mode="rejection", stop_tokens=(tok.eos_id,))
+        mode="rejection", stop_tokens=(tok.eos_id,), tokenizer=TOK)
 
   run(0)
   sizes = (speculative.start._cache_size(),  # pylint: disable=protected-access
@@ -263,8 +263,7 @@ AR_KW = dict(batch_size=4, max_new_tokens=56, max_turn_tokens=6, params=AR_PARAM
 @pytest.fixture(scope="module")
 def ar_episodes():
   """{continuation: (prompts, episodes, environments)} for the same key."""
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
-  tok = get_tokenizer()
+  tok = TOK
   prompts = [tok.encode(s, add_bos=True)
              for s in ("what is 3+4?", "get age of bob", "x", "list files", "hi")]
   out = {}
@@ -272,7 +271,7 @@ def ar_episodes():
     envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
     out[continuation] = (prompts, multi_turn.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(tok.eos_id,),
-        continuation=continuation, **AR_KW), envs)
+        continuation=continuation, tokenizer=TOK, **AR_KW), envs)
   return out
 
 
@@ -328,12 +327,11 @@ def test_autoregressive_episodes_keep_the_teacher_forced_hidden_states(ar_episod
   turns + replies (from the prefill, each decoding step and each reply's forward), equal to
   one teacher-forced forward over the whole sequence; the episodes themselves do not
   change. (The last token is never fed, so its h0 is not compared.)"""
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
   prompts, plain, _ = ar_episodes[True]
   envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
   episodes = multi_turn.autoregressive_episodes(
-      GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(get_tokenizer().eos_id,),
-      return_hidden=True, **AR_KW)
+      GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(TOK.eos_id,),
+      return_hidden=True, tokenizer=TOK, **AR_KW)
   model = nnx.merge(GRAPHDEF, STATE)
   forward = jax.jit(lambda x: model(x, num_draft_steps=0)["hidden"])
   for prompt, ep, ref in zip(prompts, episodes, plain):
@@ -345,12 +343,11 @@ def test_autoregressive_episodes_keep_the_teacher_forced_hidden_states(ar_episod
   with pytest.raises(ValueError, match="continuation=True"):
     multi_turn.autoregressive_episodes(GRAPHDEF, STATE, prompts[:1], envs[:1],
                                        jax.random.key(0), stop_tokens=(2,), return_hidden=True,
-                                       continuation=False, **AR_KW)
+                                       continuation=False, tokenizer=TOK, **AR_KW)
 
 
 def test_autoregressive_episodes_compile_once_per_bucket():
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
-  tok = get_tokenizer()
+  tok = TOK
 
   def run(seed):
     prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
@@ -359,7 +356,7 @@ def test_autoregressive_episodes_compile_once_per_bucket():
     return multi_turn.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
         max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
-        stop_tokens=(tok.eos_id,))
+        stop_tokens=(tok.eos_id,), tokenizer=TOK)
 
   sizes = lambda: (autoregressive.start._cache_size(),  # pylint: disable=protected-access
                    autoregressive.continue_with_reply._cache_size())  # pylint: disable=protected-access
@@ -376,8 +373,7 @@ def test_an_autoregressive_episode_does_not_depend_on_the_other_rows(continuatio
   end at other times: a row's key is split once per token it samples, whatever the loop
   does for the other rows. Row 0 stops at many tokens (its turns end early, sampled near
   uniformly), the other rows at none (their turns run to max_turn_tokens)."""
-  from bebop_jax.data.tokenizer import get_tokenizer  # pylint: disable=g-import-not-at-top
-  tok = get_tokenizer()
+  tok = TOK
   stops = tuple(range(8, 104, 2))  # 48 of the 128 tokens
 
   def run(others, other_replies):
@@ -389,7 +385,7 @@ def test_an_autoregressive_episode_does_not_depend_on_the_other_rows(continuatio
         GRAPHDEF, STATE, prompts, envs, jax.random.key(9), batch_size=4, max_new_tokens=48,
         max_turn_tokens=10, params=sampling.SamplingParams(3.0), stop_tokens=stops,
         row_stops=np.arange(len(prompts))[:, None] == np.zeros((1, len(stops))),
-        continuation=continuation)
+        continuation=continuation, tokenizer=TOK)
 
   def turn_lengths(ep):  # the runs of policy tokens
     return [len(list(run)) for sampled, run in itertools.groupby(ep.policy_mask) if sampled]

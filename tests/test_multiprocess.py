@@ -209,7 +209,7 @@ def test_sft_shards_split_each_batch_between_disjoint_readers(tiny_data_config):
   text = lambda r: r.decode() if isinstance(r, bytes) else str(r)
   prompts = [{text(source[i]["prompt"]) for i in range(s, len(source), 2)} for s in range(2)]
   only = [prompts[0] - prompts[1], prompts[1] - prompts[0]]
-  decode = tokenizer_lib.get_tokenizer().decode
+  decode = tokenizer_lib.for_data(cfg).decode
   for s, batch in enumerate(batches):
     rows = [decode(row.tolist(), strip_pad=True) for row in batch["tokens"]]
     assert any(p in row for row in rows for p in only[s])

@@ -15,6 +15,7 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.data.tokenizer import load_tokenizer
 from bebop_jax.decoding import speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -28,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = model_config.preset("tiny")
 MESH = sharding.make_mesh((1,), ("data",), devices=jax.devices()[:1])
 RULES = tuple(tuple(r) for r in sharding.DEFAULT_RULES)
+CHAR = load_tokenizer("char")  # the tokenizer the engines here are handed
 
 
 class DigitTask(base.Task):
@@ -75,7 +77,7 @@ def test_grpo_learns_a_task_that_a_random_policy_rarely_solves():
   learn = learner.Learner(rl, graphdef, params, mesh=MESH, rules=RULES, seq_len=24)
   task = DigitTask()
   engine = rollout.JaxEngine(graphdef, learn.params(), {"math": task}, rollout.RolloutSettings(
-      max_new_tokens=8, batch_size=32, prompt_buckets=(16,)))
+      max_new_tokens=8, batch_size=32, prompt_buckets=(16,)), tokenizer=CHAR)
   held_out = [task.sample(1000 + i) for i in range(256)]
   before = engine.generate(held_out, jax.random.key(7)).rewards
   shapes = {(learn.update_rows, 24)}  # compiled ahead of time
@@ -101,9 +103,8 @@ def _mock_rollouts(rows):
   exs = [math.sample(i // 8) for i in range(rows)]
   answer = lambda ex, row, seed: (ex.demonstration if row % 3 == 0
                                   else "=1\n<|answer|>" + str(row))
-  return rollout.MockEngine({"math": math}, answer,
-                            rollout.RolloutSettings(max_new_tokens=32)).generate(
-                                exs, jax.random.key(0))
+  return rollout.MockEngine({"math": math}, answer, rollout.RolloutSettings(max_new_tokens=32),
+                            tokenizer=CHAR).generate(exs, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")

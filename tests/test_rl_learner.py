@@ -16,6 +16,7 @@ from bebop_jax import config as config_lib
 from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
+from bebop_jax.data.tokenizer import load_tokenizer
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.rl import algorithms, async_loop, learner
@@ -26,6 +27,7 @@ from bebop_jax.train import metrics as metrics_lib
 CONFIG = model_config.preset("tiny")
 MESH = sharding.make_mesh((1,), ("data",), devices=jax.devices()[:1])
 RULES = tuple(tuple(r) for r in sharding.DEFAULT_RULES)
+CHAR = load_tokenizer("char")  # the tokenizer the engines here are handed
 G = 4
 
 
@@ -55,7 +57,7 @@ def _rollouts(rows, max_new_tokens=32, seed=0):
     return "=1\n<|answer|>" + str(row) * (1 + 12 * (row % 2))
 
   return rollout.MockEngine({"math": math}, answer, rollout.RolloutSettings(
-      engine="autoregressive", max_new_tokens=max_new_tokens)).generate(
+      engine="autoregressive", max_new_tokens=max_new_tokens), tokenizer=CHAR).generate(
           exs, jax.random.key(seed))
 
 
@@ -306,7 +308,7 @@ class _RecordingEngine(rollout.JaxEngine):
     self.calls.append((len(examples), params, policy_version))
     math = tasks_lib.get_task("math")
     out = rollout.MockEngine({"math": math}, lambda ex, row, seed: "=1",
-                             self.settings).generate(list(examples), rng)
+                             self.settings, tokenizer=CHAR).generate(list(examples), rng)
     out.versions[:] = policy_version
     return out
 
@@ -354,7 +356,7 @@ def test_interrupt_mode_scores_diagnostics_under_the_sampling_version(monkeypatc
   published = iter(range(1, 100))
 
   class Engine(_RecordingEngine):
-    def __init__(self, graphdef, params, tasks, settings, policy_version=0):
+    def __init__(self, graphdef, params, tasks, settings, *, tokenizer, policy_version=0):
       super().__init__(settings)
 
     def _generate(self, examples, rng, params, policy_version):
@@ -387,7 +389,7 @@ def test_the_rollout_side_keeps_at_most_two_versions(monkeypatch):
   config.rl.rollout.batch_size = G
 
   class Engine(_RecordingEngine):
-    def __init__(self, graphdef, params, tasks, settings, policy_version=0):
+    def __init__(self, graphdef, params, tasks, settings, *, tokenizer, policy_version=0):
       super().__init__(settings)
       self.params = params
 

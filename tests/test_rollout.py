@@ -10,7 +10,7 @@ from scipy import stats
 
 from bebop_jax import rollout
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data.tokenizer import load_tokenizer
 from bebop_jax.decoding import speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -23,6 +23,7 @@ GRAPHDEF, _STATE = policy_lib.init(CONFIG, seed=3)
 # structure for the statistical tests, and drafts are still accepted ~30% of the time.
 STATE = jax.tree.map(lambda x: x, _STATE)
 STATE["embed"].set_value(_STATE["embed"].get_value() * 1.5)
+CHAR = load_tokenizer("char")  # the tokenizer every engine here is handed
 
 
 class CharTask(base.Task):
@@ -92,11 +93,12 @@ def test_rollouts_of_a_mixed_batch(engine):
   """Single- and multi-turn rows in one batch: each row follows its own environment and stop
   set; replies are in the tokens but not in the policy mask; rewards are the environment's;
   log-probs and entropies only where the policy sampled."""
-  tok = get_tokenizer()
+  tok = CHAR
   echo = EchoTask(turns=2)
   tasks = {"math": CharTask(), "agentic": echo}
   exs = [tasks["math"].sample(i) if i % 2 else echo.sample(i) for i in range(6)]
-  eng = rollout.JaxEngine(GRAPHDEF, STATE, tasks, _settings(engine, max_turn_tokens=5))
+  eng = rollout.JaxEngine(GRAPHDEF, STATE, tasks, _settings(engine, max_turn_tokens=5),
+                          tokenizer=CHAR)
   r = eng.generate(exs, jax.random.key(0))
   assert r.num_rows == 6 and r.tokens.shape == (6, 40)
   assert r.num_draft_steps == (CONFIG.num_draft_steps if engine == "speculative" else 0)
@@ -148,7 +150,8 @@ def test_behaviour_logprobs_equal_the_learners_recomputation(engine, temperature
   tasks = {"math": CharTask(), "agentic": EchoTask(turns=2)}
   exs = [tasks["math"].sample(i) if i % 2 else tasks["agentic"].sample(i) for i in range(8)]
   eng = rollout.JaxEngine(GRAPHDEF, STATE, tasks,
-                          _settings(engine, temperature=temperature, max_turn_tokens=10))
+                          _settings(engine, temperature=temperature, max_turn_tokens=10),
+                          tokenizer=CHAR)
   r = eng.generate(exs, jax.random.key(1))
   seq_len = 16 + 40  # prompts are < 16 tokens
   batch = learner.learner_batch(r, np.zeros(8), seq_len)
@@ -171,11 +174,11 @@ def test_speculative_and_autoregressive_reward_distributions_match():
   exs = [CharTask().sample(i) for i in range(1024)]
   run = lambda task, engine, t, seed: rollout.JaxEngine(
       GRAPHDEF, STATE, {"math": task},
-      _settings(engine, temperature=t, max_new_tokens=16, batch_size=128)).generate(
-          exs, jax.random.key(seed))
+      _settings(engine, temperature=t, max_new_tokens=16, batch_size=128),
+      tokenizer=CHAR).generate(exs, jax.random.key(seed))
   pilot = run(CharTask(), "autoregressive", 1.0, 99)
   counts = np.bincount(pilot.tokens[pilot.policy_mask], minlength=CONFIG.vocab_size)
-  tok = get_tokenizer()
+  tok = CHAR
   chars = [t for t in np.argsort(-counts) if len(tok.specials) <= t < tok.num_used]
   favourite = tok.decode(chars[:10])
   task = CharTask(favourite)
@@ -194,7 +197,7 @@ def test_speculative_and_autoregressive_reward_distributions_match():
 
 def test_generate_compiles_once_per_shape():
   tasks = {"math": CharTask()}
-  eng = rollout.JaxEngine(GRAPHDEF, STATE, tasks, _settings("speculative"))
+  eng = rollout.JaxEngine(GRAPHDEF, STATE, tasks, _settings("speculative"), tokenizer=CHAR)
   exs = [tasks["math"].sample(i) for i in range(8)]
   eng.generate(exs, jax.random.key(0))
   size = speculative.start._cache_size()  # pylint: disable=protected-access
@@ -213,8 +216,10 @@ def test_bad_settings_are_clear_errors():
   with pytest.raises(ValueError, match="top_p"):
     rollout.RolloutSettings(top_p=0.0)
   with pytest.raises(ValueError, match=r"num_draft_steps=9 is not allowed: must be in \[1, 3\]"):
-    rollout.JaxEngine(GRAPHDEF, STATE, {}, rollout.RolloutSettings(num_draft_steps=9))
-  eng = rollout.JaxEngine(GRAPHDEF, STATE, {"math": CharTask()}, _settings("speculative"))
+    rollout.JaxEngine(GRAPHDEF, STATE, {}, rollout.RolloutSettings(num_draft_steps=9),
+                      tokenizer=CHAR)
+  eng = rollout.JaxEngine(GRAPHDEF, STATE, {"math": CharTask()}, _settings("speculative"),
+                          tokenizer=CHAR)
   with pytest.raises(ValueError, match="task 'code'"):
     eng.generate([base.Example("code", "x", "y", {})], jax.random.key(0))
 
@@ -224,7 +229,8 @@ def test_autoregressive_multi_turn_contexts_may_outgrow_the_prompt_buckets():
   positions), so only the prompt needs a bucket."""
   task = EchoTask(turns=2)
   eng = rollout.JaxEngine(GRAPHDEF, STATE, {"agentic": task},
-                          _settings("autoregressive", prompt_buckets=(16,), max_turn_tokens=8))
+                          _settings("autoregressive", prompt_buckets=(16,), max_turn_tokens=8),
+                          tokenizer=CHAR)
   r = eng.generate([task.sample(i) for i in range(2)], jax.random.key(0))
   assert (r.turns == 3).all() and r.done.all()
   assert (r.prompt_lengths + r.lengths > 16).all()
@@ -234,7 +240,7 @@ def test_mock_engine_scores_scripted_completions():
   math = tasks_lib.get_task("math")
   exs = [math.sample(i) for i in range(4)]
   answers = lambda ex, row, seed: (ex.demonstration if row % 2 else "<|answer|>nope")
-  eng = rollout.MockEngine({"math": math}, answers)
+  eng = rollout.MockEngine({"math": math}, answers, tokenizer=CHAR)
   r = eng.generate(exs, jax.random.key(0))
   np.testing.assert_array_equal(r.rewards, [0, 1, 0, 1])
   assert r.policy_mask.sum() == r.lengths.sum() and (r.logprobs[r.policy_mask] == -1).all()
@@ -244,7 +250,8 @@ def test_mock_engine_scores_scripted_completions():
   np.testing.assert_array_equal(r.emitted_by_forwards, r.lengths - 1)
   # A completion longer than max_new_tokens is cut there, eos included: truncated.
   eng = rollout.MockEngine({"math": math}, lambda ex, row, seed: "ab" * (4 + 4 * row),
-                           rollout.RolloutSettings(engine="autoregressive", max_new_tokens=12))
+                           rollout.RolloutSettings(engine="autoregressive", max_new_tokens=12),
+                           tokenizer=CHAR)
   r = eng.generate(exs[:2], jax.random.key(0))
   np.testing.assert_array_equal(r.lengths, [9, 12])
   np.testing.assert_array_equal(r.truncated, [False, True])
@@ -253,8 +260,8 @@ def test_mock_engine_scores_scripted_completions():
 def test_entropy_stats_from_their_definition():
   from bebop_jax import evaluation  # pylint: disable=g-import-not-at-top
   r = rollout.MockEngine({"math": CharTask()}, lambda ex, row, seed: "ab" * (row + 1),
-                         entropy=0.75).generate([CharTask().sample(i) for i in range(3)],
-                                               jax.random.key(0))
+                         entropy=0.75, tokenizer=CHAR).generate(
+                             [CharTask().sample(i) for i in range(3)], jax.random.key(0))
   r.entropy[0, 0] = 0.2  # one position below the threshold
   stats = evaluation.entropy_stats({"math": r})["math"]
   ent = r.entropy[r.policy_mask]

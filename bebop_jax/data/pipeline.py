@@ -37,7 +37,8 @@ import grain
 import numpy as np
 
 from bebop_jax.data import builders
-from bebop_jax.data.tokenizer import BaseTokenizer, get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
+from bebop_jax.data.tokenizer import BaseTokenizer
 from bebop_jax.tasks import TASK_NAMES, Example, get_task
 
 _SFT_KEYS = ("tokens", "loss_mask")
@@ -49,29 +50,28 @@ READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def sft_features(prompt: str, demonstration: str,
-                 tokenizer: BaseTokenizer | None = None) -> dict[str, np.ndarray]:
-  """Tokens and loss mask of one demonstration (unpadded, 1-D int32)."""
-  tok = tokenizer or get_tokenizer()
-  prompt_ids = tok.encode_prompt(prompt)
-  completion_ids = tok.encode_completion(demonstration)
+                 tokenizer: BaseTokenizer) -> dict[str, np.ndarray]:
+  """Tokens and loss mask of one demonstration (unpadded, 1-D int32) under `tokenizer`."""
+  prompt_ids = tokenizer.encode_prompt(prompt)
+  completion_ids = tokenizer.encode_completion(demonstration)
   tokens = np.asarray(prompt_ids + completion_ids, dtype=np.int32)
   mask = np.zeros(len(tokens), dtype=np.int32)
   mask[len(prompt_ids):] = 1
-  mask[tool_result_mask(tokens, tok)] = 0
+  mask[tool_result_mask(tokens, tokenizer)] = 0
   return {"tokens": tokens, "loss_mask": mask}
 
 
-def tool_result_mask(tokens: np.ndarray, tokenizer: BaseTokenizer | None = None) -> np.ndarray:
-  """Boolean mask of tool-result tokens: RESULT_START through RESULT_END inclusive.
+def tool_result_mask(tokens: np.ndarray, tokenizer: BaseTokenizer) -> np.ndarray:
+  """Boolean mask of tool-result tokens: RESULT_START through RESULT_END inclusive (the
+  markers' ids under `tokenizer`).
 
   An unterminated result runs to the end of the sequence.
   """
-  tok = tokenizer or get_tokenizer()
   tokens = np.asarray(tokens)
-  opens = np.cumsum(tokens == tok.result_start_id, axis=-1)
-  closes = np.cumsum(tokens == tok.result_end_id, axis=-1)
+  opens = np.cumsum(tokens == tokenizer.result_start_id, axis=-1)
+  closes = np.cumsum(tokens == tokenizer.result_end_id, axis=-1)
   # Inside a result: more opens than closes so far, or this token is the closing marker.
-  return (opens > closes) | (tokens == tok.result_end_id)
+  return (opens > closes) | (tokens == tokenizer.result_end_id)
 
 
 # Knobs that change how demonstrations are sampled for SFT, not the stored examples: left out
@@ -131,7 +131,8 @@ def _as_str(value: Any) -> str:
 def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
                 packing: bool = True, seed: int = 0, split: str = "train",
                 shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
-  """Endless SFT batches (see module docstring); demonstrations longer than seq_len dropped.
+  """Endless SFT batches (see module docstring), tokenized by `data_cfg`'s tokenizer
+  (`tokenizer_lib.for_data`); demonstrations longer than seq_len dropped.
 
   Every visit of an example samples a fresh demonstration, `task.demonstration(example,
   key)` with a key derived from `seed` and the visit's position in the stream (so the
@@ -147,7 +148,7 @@ def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
            for name in TASK_NAMES if data_cfg["tasks"][name]["weight"] > 0}
 
   canonical_examples = int(data_cfg.get("canonical_examples", 0))
-  tok = get_tokenizer()  # the one active now, also when the iterator runs later
+  tok = tokenizer_lib.for_data(data_cfg)  # data_cfg's data.tokenizer / data.chat_format
 
   def featurize(index, record):
     task = tasks[_as_str(record["task"])]
@@ -190,13 +191,13 @@ def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
                       group_size: int, max_prompt_len: int, seed: int = 0,
                       split: str = "rl", repeat: bool = True,
                       shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
-  """Batches of prompts, each repeated `group_size` times (see module docstring); with
-  `shard` = (s, S), shard s's prompts_per_batch / S prompts of each global batch (its
-  group_ids count on from the shards before it)."""
+  """Batches of prompts, tokenized by `data_cfg`'s tokenizer, each repeated `group_size`
+  times (see module docstring); with `shard` = (s, S), shard s's prompts_per_batch / S
+  prompts of each global batch (its group_ids count on from the shards before it)."""
   shard_index, shard_count = _check_shard(shard)
   prompts = _rows_per_shard(prompts_per_batch, shard_count, "prompts_per_batch")
   first_group = shard_index * prompts
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(data_cfg)
 
   def featurize(record):
     ids = tok.encode_prompt(_as_str(record["prompt"]))

@@ -1,5 +1,5 @@
 """Tokenizers: the interface the project codes against, a character-level one (the default)
-and a Hugging Face `tokenizer.json` one, and which of them is active.
+and a Hugging Face `tokenizer.json` one, and how a config's data section names one.
 
 Every tokenizer implements `BaseTokenizer`: the task markers of `bebop_jax.tasks.base`
 (`SPECIAL_MARKERS`: '<|pad|>', '<|bos|>', '<|eos|>', ...) are single tokens with ids the
@@ -25,22 +25,21 @@ turn (`encode_prompt`); a completion writes its answer marker as plain text (a l
 then `eos_id` (`encode_completion`). So a single-turn task needs no token the pretrained
 model has not seen. Multi-turn tasks keep their call and result markers (added tokens).
 
-`get_tokenizer()` is the active tokenizer, which every call site uses: the character one
-unless `set_tokenizer` / `use_tokenizer` chose another. `bebop_jax.config.validate` makes the
-config's `data.tokenizer` (`load_tokenizer(spec)`) the active one, and `bebop_jax.stages.run`
-holds it for its stages.
+There is no active tokenizer: code that tokenizes is handed one. `load_tokenizer(spec)` (or
+`for_data(config.data)`, the config's `data.tokenizer` and `data.chat_format`) gives it; a
+stage gets it once and passes it down (rollout engines, decoding episodes, the SFT
+features), and functions that receive the config's data section call `for_data` themselves.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
 import hashlib
 import json
 import os
 import re
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -433,47 +432,13 @@ def load_tokenizer(spec: str, *, pad_to_multiple: int = 128,
 
 
 def for_data(data_config) -> BaseTokenizer:
-  """The tokenizer of a config's `data` section (`tokenizer`, `chat_format`)."""
-  return load_tokenizer(data_config.tokenizer,
+  """The tokenizer of a config's `data` section (a ConfigDict or a mapping: `tokenizer`,
+  `chat_format`); the same instance on every call (see `load_tokenizer`)."""
+  return load_tokenizer(data_config["tokenizer"],
                         chat_format=bool(data_config.get("chat_format", False)))
 
 
-_DEFAULT: Tokenizer | None = None
-_ACTIVE: BaseTokenizer | None = None
-
-
+@functools.cache
 def _char_default() -> Tokenizer:
-  global _DEFAULT
-  if _DEFAULT is None:
-    _DEFAULT = Tokenizer()
-  return _DEFAULT
-
-
-def get_tokenizer() -> BaseTokenizer:
-  """The active tokenizer (one shared instance): the character-level one unless
-  `set_tokenizer` / `use_tokenizer` (called by `config.validate` and `stages.run` with the
-  config's `data.tokenizer`) chose another."""
-  return _ACTIVE if _ACTIVE is not None else _char_default()
-
-
-def set_tokenizer(tokenizer: BaseTokenizer | None) -> BaseTokenizer | None:
-  """Makes `tokenizer` the active one (None: the character-level default); returns the one
-  set before (None if it was the default), to restore with `set_tokenizer(previous)`."""
-  global _ACTIVE
-  if tokenizer is not None and not isinstance(tokenizer, BaseTokenizer):
-    raise TypeError(f"set_tokenizer takes a BaseTokenizer or None, got {type(tokenizer)}")
-  previous, _ACTIVE = _ACTIVE, tokenizer
-  return previous
-
-
-@contextlib.contextmanager
-def use_tokenizer(tokenizer: BaseTokenizer | str | None) -> Iterator[BaseTokenizer]:
-  """`tokenizer` (or the spec `load_tokenizer` takes) is the active one inside the block;
-  the previous one is restored after."""
-  if isinstance(tokenizer, str):
-    tokenizer = load_tokenizer(tokenizer)
-  previous = set_tokenizer(tokenizer)
-  try:
-    yield get_tokenizer()
-  finally:
-    set_tokenizer(previous)
+  """The one character-level tokenizer with the default padding (it holds no state)."""
+  return Tokenizer()

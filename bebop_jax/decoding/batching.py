@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from bebop_jax.data.packing import first_fit_decreasing  # noqa: F401  (see below)
-from bebop_jax.data.tokenizer import get_tokenizer
 
 # first_fit_decreasing lives in bebop_jax.data.packing; it is re-exported here only for
 # train/mtp.teacher_forced_acceptance, which still calls batching.first_fit_decreasing.
@@ -36,14 +35,14 @@ def bucket(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
                    f"{buckets[-1]} (buckets {tuple(buckets)})")
 
 
-def pad_rows(rows: Sequence[Sequence[int]], batch_size: int, buckets: Sequence[int]
-             ) -> tuple[np.ndarray, np.ndarray]:
+def pad_rows(rows: Sequence[Sequence[int]], batch_size: int, buckets: Sequence[int], *,
+             fill_id: int) -> tuple[np.ndarray, np.ndarray]:
   """(tokens [batch_size, P] int32, lengths [batch_size] int32): `rows` right-padded with 0
-  to the bucket P of the longest, then rows of a lone bos up to batch_size (decoded and
-  discarded)."""
+  to the bucket P of the longest, then rows of the lone token `fill_id` (the tokenizer's
+  bos) up to batch_size (decoded and discarded)."""
   if len(rows) > batch_size:
     raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
-  fill = [get_tokenizer().bos_id]
+  fill = [int(fill_id)]
   rows = [list(r) for r in rows] + [fill] * (batch_size - len(rows))
   p = bucket(max(len(r) for r in rows), buckets)
   tokens = np.zeros((batch_size, p), np.int32)

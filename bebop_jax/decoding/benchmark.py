@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data import get_tokenizer, pipeline
+from bebop_jax.data import pipeline
+from bebop_jax.data import tokenizer as tokenizer_lib
 
 from bebop_jax.decoding import (autoregressive, diagnostics, multi_turn, sampling, segments,
                                 speculative)
@@ -47,13 +48,14 @@ def _examples(config, batch: int, num_prompts: int) -> list:
 
 
 def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) -> list[tuple[np.ndarray, np.ndarray]]:
-  """max(batch, num_prompts) held-out prompts of all tasks (shuffled, cycled if needed) in
-  batches of `batch` rows, each right-padded to its prompt bucket (as a server buckets
-  requests; each loop compiles once per bucket, before timing)."""
-  tok = get_tokenizer()
+  """max(batch, num_prompts) held-out prompts of all tasks (shuffled, cycled if needed),
+  encoded by config.data's tokenizer, in batches of `batch` rows, each right-padded to its
+  prompt bucket (as a server buckets requests; each loop compiles once per bucket, before
+  timing)."""
+  tok = tokenizer_lib.for_data(config.data)
   ids = [tok.encode_prompt(ex.prompt) for ex in _examples(config, batch, num_prompts)]
   buckets = prompt_buckets or tuple(config.eval.prompt_buckets)
-  return [pad_rows(ids[start:start + batch], batch, buckets)
+  return [pad_rows(ids[start:start + batch], batch, buckets, fill_id=tok.bos_id)
           for start in range(0, len(ids), batch)]
 
 
@@ -170,7 +172,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
       raise ValueError(f"draft length {k} is not allowed: must be in [1, {k_drafter}]")
   # Stop where a real rollout turn stops (end of sequence, end of a tool call); both loops
   # stop on the same tokens.
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)
   stop = (tok.eos_id, tok.call_end_id)
   results = []
   for b in batch_sizes:
@@ -484,7 +486,7 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
         sampled identically (same tokens and policy mask) from the same key (1.0 expected);
       *_seconds (best pass), *_tokens, *_reply_tokens, *_target_forwards.
   """
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)
   task = tasks_lib.get_task("agentic", **config.data.tasks.agentic.knobs)
   stop = (tok.eos_id, tok.call_end_id)
   buckets = tuple(config.eval.prompt_buckets)
@@ -501,7 +503,7 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
     environments = lambda examples=examples: [task.environment(ex) for ex in examples]
     for t in temperatures:
       common = dict(
-          batch_size=b, max_new_tokens=max_new_tokens,
+          tokenizer=tok, batch_size=b, max_new_tokens=max_new_tokens,
           params=sampling.SamplingParams(temperature=t), stop_tokens=stop,
           row_stops=np.array([[True, task.multi_turn]] * len(prompts), bool),
           max_turn_tokens=max_turn_tokens, max_turns=task.max_turns, prompt_buckets=buckets)

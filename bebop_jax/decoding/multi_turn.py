@@ -21,6 +21,8 @@ of `batch_size` rows keeps its rows in their slots across turns:
   two give the same episodes for the same key, up to float rounding of the logits.
 
 Host work per turn is the environment call (Python) and one transfer of the output so far.
+The caller's tokenizer (`tokenizer=`, the one that encoded the prompts) decodes each turn
+for the environment and encodes its reply.
 Environments follow the tasks' protocol: `env.step(text)` returns an object with
 `observation` (str), `done` (bool) and `reward` (float), and never raises. Prompts and
 replies are bucketed (batching.PROMPT_BUCKETS; REPLY_BUCKETS, capped at max_new_tokens - 1)
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data.tokenizer import BaseTokenizer
 from bebop_jax.decoding import autoregressive, batching, sampling, segments, speculative
 
 
@@ -91,12 +93,11 @@ def _row_stops(row_stops, first: int, n: int, batch_size: int, num_stops: int):
   return out
 
 
-def _env_step(env, turn: list[int]):
+def _env_step(env, turn: list[int], tokenizer: BaseTokenizer):
   """The environment's result for one policy turn (its eos, if any, is not text)."""
-  tok = get_tokenizer()
-  if turn and turn[-1] == tok.eos_id:
+  if turn and turn[-1] == tokenizer.eos_id:
     turn = turn[:-1]
-  return env.step(tok.decode(turn))
+  return env.step(tokenizer.decode(turn))
 
 
 def _stop_sets(stop_tokens: tuple[int, ...], row_stops, first: int, n: int
@@ -118,8 +119,8 @@ def _fits(completion_length: int, reply: list[int], max_new_tokens: int) -> bool
   return completion_length + len(reply) < max_new_tokens
 
 
-def _turns_in_slots(ds, continue_fn, envs, stop_sets, *, batch_size: int,
-                    max_new_tokens: int, max_turns: int):
+def _turns_in_slots(ds, continue_fn, envs, stop_sets, *, tokenizer: BaseTokenizer,
+                    batch_size: int, max_new_tokens: int, max_turns: int):
   """The environment loop of a chunk whose rows keep their slots (and caches) across turns.
 
   Args:
@@ -127,11 +128,11 @@ def _turns_in_slots(ds, continue_fn, envs, stop_sets, *, batch_size: int,
     continue_fn: (ds, reply_tokens [B, R], reply_lengths [B]) -> ds: appends the replies
       (rows of length 0 are left alone) and decodes the next turn.
     envs, stop_sets: the chunk's rows' environments and stop tokens.
+    tokenizer: decodes each turn for its environment and encodes the replies.
   Returns:
     (final ds, and per row of the chunk: reward, turns, done, truncated).
   """
   n = len(envs)
-  tok = get_tokenizer()
   turn_start = np.zeros(batch_size, np.int64)
   reward, turns, ended, truncated = [0.0] * n, [0] * n, [False] * n, [False] * n
   live = list(range(n))
@@ -142,11 +143,11 @@ def _turns_in_slots(ds, continue_fn, envs, stop_sets, *, batch_size: int,
       turns[i] += 1
       turn = tokens[i, turn_start[i]:out_len[i]].tolist()
       truncated[i] = _cut_by_limit(turn, stop_sets[i])
-      result = _env_step(envs[i], turn)
+      result = _env_step(envs[i], turn, tokenizer)
       if result.done:
         reward[i], ended[i] = float(result.reward), True
       elif result.observation and t + 1 < max_turns:
-        reply = tok.encode(result.observation)
+        reply = tokenizer.encode(result.observation)
         if not reply:
           continue
         if _fits(out_len[i], reply, max_new_tokens):
@@ -172,8 +173,8 @@ def _turns_in_slots(ds, continue_fn, envs, stop_sets, *, batch_size: int,
 
 def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
                          prompts: Sequence[Sequence[int]], environments: Sequence[Any],
-                         rng: jax.Array, *, batch_size: int, max_new_tokens: int,
-                         params: sampling.SamplingParams, mode: str,
+                         rng: jax.Array, *, tokenizer: BaseTokenizer, batch_size: int,
+                         max_new_tokens: int, params: sampling.SamplingParams, mode: str,
                          stop_tokens: Sequence[int], row_stops: np.ndarray | None = None,
                          max_turn_tokens: int | None = None, max_turns: int = 16,
                          prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS,
@@ -183,19 +184,23 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
                          acceptance: Sequence[float] | None = None,
                          adaptive_stats: list | None = None) -> list[Episode]:
   """One episode per (prompt token list, environment) with speculative decoding; see the
-  module docstring. `row_stops` [num_prompts, S] bool selects each prompt's stop tokens
-  (default: all). The cache holds the prompt bucket plus `max_new_tokens` plus the draft
-  lookahead. `draft_vocab`: optional token ids the drafter is restricted to
-  (speculative._decode). `adaptive_settings` (adaptive.Settings): decode with an adaptive
-  draft length (decoding/segments.py; k_max replaces num_draft_steps), its estimate seeded
-  with `acceptance`; each call's segments.Stats is appended to `adaptive_stats`."""
+  module docstring. `tokenizer` decodes the policy's turns for the environments (a turn's
+  final `tokenizer.eos_id` is not text), encodes their replies and gives the bos id of the
+  padding rows; `stop_tokens` are ids of the same tokenizer. `row_stops` [num_prompts, S]
+  bool selects each prompt's stop tokens (default: all). The cache holds the prompt bucket
+  plus `max_new_tokens` plus the draft lookahead. `draft_vocab`: optional token ids the
+  drafter is restricted to (speculative._decode). `adaptive_settings` (adaptive.Settings):
+  decode with an adaptive draft length (decoding/segments.py; k_max replaces
+  num_draft_steps), its estimate seeded with `acceptance`; each call's segments.Stats is
+  appended to `adaptive_stats`."""
   if adaptive_settings is not None:
     return _adaptive_episodes(
-        graphdef, state, prompts, environments, rng, batch_size=batch_size,
-        max_new_tokens=max_new_tokens, params=params, mode=mode, stop_tokens=stop_tokens,
-        row_stops=row_stops, max_turn_tokens=max_turn_tokens, max_turns=max_turns,
-        prompt_buckets=prompt_buckets, draft_vocab=draft_vocab, settings=adaptive_settings,
-        acceptance=acceptance, stats=adaptive_stats if adaptive_stats is not None else [])
+        graphdef, state, prompts, environments, rng, tokenizer=tokenizer,
+        batch_size=batch_size, max_new_tokens=max_new_tokens, params=params, mode=mode,
+        stop_tokens=stop_tokens, row_stops=row_stops, max_turn_tokens=max_turn_tokens,
+        max_turns=max_turns, prompt_buckets=prompt_buckets, draft_vocab=draft_vocab,
+        settings=adaptive_settings, acceptance=acceptance,
+        stats=adaptive_stats if adaptive_stats is not None else [])
   stop_tokens = tuple(int(t) for t in stop_tokens)
   _check_inputs(prompts, environments, row_stops, stop_tokens)
   k = num_draft_steps or nnx.merge(graphdef, state).config.num_draft_steps
@@ -207,7 +212,8 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
     chunk = prompts[first:first + batch_size]
     envs = list(environments[first:first + batch_size])
     n = len(chunk)
-    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets)
+    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
+                                       fill_id=tokenizer.bos_id)
     rng, key = jax.random.split(rng)
     ds = speculative.start(
         graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
@@ -217,14 +223,14 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
     ds, reward, turns, ended, truncated = _turns_in_slots(
         ds, lambda ds, replies, reply_lengths: speculative.continue_with_reply(
             graphdef, state, ds, replies, reply_lengths, **common),
-        envs, _stop_sets(stop_tokens, row_stops, first, n), batch_size=batch_size,
-        max_new_tokens=max_new_tokens, max_turns=max_turns)
+        envs, _stop_sets(stop_tokens, row_stops, first, n), tokenizer=tokenizer,
+        batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns)
     episodes += _speculative_chunk_episodes(jax.device_get(ds.out), n, reward, turns, ended,
                                             truncated)
   return episodes
 
 
-def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, batch_size,
+def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, tokenizer, batch_size,
                        max_new_tokens, params, mode, stop_tokens, row_stops, max_turn_tokens,
                        max_turns, prompt_buckets, draft_vocab, settings, acceptance,
                        stats) -> list[Episode]:
@@ -247,7 +253,8 @@ def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, batch_siz
     chunk = prompts[first:first + batch_size]
     envs = list(environments[first:first + batch_size])
     n = len(chunk)
-    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets)
+    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
+                                       fill_id=tokenizer.bos_id)
     rng, key = jax.random.split(rng)
     ds = keep(segments.start(
         graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
@@ -256,8 +263,8 @@ def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, batch_siz
     ds, reward, turns, ended, truncated = _turns_in_slots(
         ds, lambda ds, replies, reply_lengths: keep(segments.continue_with_reply(
             graphdef, state, ds, replies, reply_lengths, **common)),
-        envs, _stop_sets(stop_tokens, row_stops, first, n), batch_size=batch_size,
-        max_new_tokens=max_new_tokens, max_turns=max_turns)
+        envs, _stop_sets(stop_tokens, row_stops, first, n), tokenizer=tokenizer,
+        batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns)
     episodes += _speculative_chunk_episodes(jax.device_get(ds.out), n, reward, turns, ended,
                                             truncated)
   return episodes
@@ -281,8 +288,9 @@ def _speculative_chunk_episodes(out, n, reward, turns, ended, truncated) -> list
 
 def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
                             prompts: Sequence[Sequence[int]], environments: Sequence[Any],
-                            rng: jax.Array, *, batch_size: int, max_new_tokens: int,
-                            params: sampling.SamplingParams, stop_tokens: Sequence[int],
+                            rng: jax.Array, *, tokenizer: BaseTokenizer, batch_size: int,
+                            max_new_tokens: int, params: sampling.SamplingParams,
+                            stop_tokens: Sequence[int],
                             row_stops: np.ndarray | None = None,
                             max_turn_tokens: int | None = None, max_turns: int = 16,
                             prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS,
@@ -309,8 +317,8 @@ def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
     envs = list(environments[first:first + batch_size])
     n = len(chunk)
     rng, key = jax.random.split(rng)
-    common = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, params=params,
-                  stop_tokens=stop_tokens,
+    common = dict(tokenizer=tokenizer, batch_size=batch_size,
+                  max_new_tokens=max_new_tokens, params=params, stop_tokens=stop_tokens,
                   stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)),
                   stop_sets=_stop_sets(stop_tokens, row_stops, first, n),
                   max_turn_tokens=max_turn_tokens, max_turns=max_turns,
@@ -323,11 +331,13 @@ def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
   return episodes
 
 
-def _autoregressive_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_new_tokens,
-                          params, stop_tokens, stops, stop_sets, max_turn_tokens, max_turns,
-                          prompt_buckets, return_hidden=False) -> list[Episode]:
+def _autoregressive_chunk(graphdef, state, chunk, envs, key, *, tokenizer, batch_size,
+                          max_new_tokens, params, stop_tokens, stops, stop_sets,
+                          max_turn_tokens, max_turns, prompt_buckets,
+                          return_hidden=False) -> list[Episode]:
   """One chunk's episodes with the cache kept across turns."""
-  prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets)
+  prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
+                                     fill_id=tokenizer.bos_id)
   ds = autoregressive.start(
       graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
       cache_length=prompt.shape[1] + max_new_tokens, params=params, stop_tokens=stop_tokens,
@@ -336,8 +346,8 @@ def _autoregressive_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_
       ds, lambda ds, replies, reply_lengths: autoregressive.continue_with_reply(
           graphdef, state, ds, replies, reply_lengths, params=params,
           max_turn_tokens=max_turn_tokens),
-      envs, stop_sets, batch_size=batch_size, max_new_tokens=max_new_tokens,
-      max_turns=max_turns)
+      envs, stop_sets, tokenizer=tokenizer, batch_size=batch_size,
+      max_new_tokens=max_new_tokens, max_turns=max_turns)
   out = jax.device_get(ds.out)
   episodes = []
   for i in range(len(chunk)):
@@ -353,15 +363,14 @@ def _autoregressive_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_
   return episodes
 
 
-def _reencoded_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_new_tokens,
-                     params, stop_tokens, stops, stop_sets, max_turn_tokens, max_turns,
-                     prompt_buckets) -> list[Episode]:
+def _reencoded_chunk(graphdef, state, chunk, envs, key, *, tokenizer, batch_size,
+                     max_new_tokens, params, stop_tokens, stops, stop_sets, max_turn_tokens,
+                     max_turns, prompt_buckets) -> list[Episode]:
   """One chunk's episodes, every turn decoded from the whole context (no prefix cache).
 
   Each turn packs the live rows into the first slots of one batch; row i always samples
   with its own key (fold_in(key, i), as in `_autoregressive_chunk`), carried across turns.
   """
-  tok = get_tokenizer()
   n = len(chunk)
   keys = sampling.row_keys(key, batch_size)
   comp = [dict(tokens=[], mask=[], logprobs=[], entropy=[]) for _ in range(n)]
@@ -372,7 +381,8 @@ def _reencoded_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_new_t
     if not live:
       break
     contexts = [chunk[i] + comp[i]["tokens"] for i in live]
-    tokens, lengths = batching.pad_rows(contexts, batch_size, prompt_buckets)
+    tokens, lengths = batching.pad_rows(contexts, batch_size, prompt_buckets,
+                                        fill_id=tokenizer.bos_id)
     limits = np.ones(batch_size, np.int32)
     for j, i in enumerate(live):
       budget = max_new_tokens - len(comp[i]["tokens"])
@@ -399,11 +409,11 @@ def _reencoded_chunk(graphdef, state, chunk, envs, key, *, batch_size, max_new_t
       turns[i] += 1
       forwards[i] += int(out.emitted_by_forwards[j])
       truncated[i] = _cut_by_limit(turn, stop_sets[i])
-      result = _env_step(envs[i], turn)
+      result = _env_step(envs[i], turn, tokenizer)
       if result.done:
         reward[i], ended[i] = float(result.reward), True
         continue
-      reply = tok.encode(result.observation) if result.observation else []
+      reply = tokenizer.encode(result.observation) if result.observation else []
       if not reply or t + 1 >= max_turns:
         continue
       if not _fits(len(c["tokens"]), reply, max_new_tokens):

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from bebop_jax import sharding
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import batching, sampling, speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -133,7 +133,7 @@ def compile_rollout(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   mode = "exact" if params.greedy else r.mode
   k = r.num_draft_steps or config.model.num_draft_steps
   b = r.batch_size
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)
   stop_tokens = (int(tok.eos_id), int(tok.call_end_id))
   mesh, rules = placement.rollout_mesh, placement.rollout_rules
   param_sh = placement.rollout_shardings(abstract)

@@ -55,7 +55,7 @@ from bebop_jax import multihost
 from bebop_jax import rollout
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import adaptive
 from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
@@ -116,7 +116,7 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
   if mtp_stage.read_summary(source) is None:
     raise FileNotFoundError(f"rl.rollout.draft_vocab={size} needs the drafter's token "
                             f"counts: no completed MTP stage in {source}")
-  tok = get_tokenizer()
+  tok = tokenizer_lib.for_data(config.data)
   ids, cover = mtp_stage.draft_vocabulary(config, source, size,
                                           always=(tok.eos_id, tok.call_end_id))
   print(f"[rl] draft vocabulary: {size} tokens, {cover:.1%} of the drafter's training tokens")
@@ -171,7 +171,7 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
   for mode in config.rl.eval.modes:
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
         config, seeds, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
-        draft_vocab=draft_vocab))
+        draft_vocab=draft_vocab), tokenizer=tokenizer_lib.for_data(config.data))
     by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7,
                                           on_task=bar.update)
     both = rollout.Rollouts.concatenate(list(by_task.values()))
@@ -422,6 +422,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
   with store.read() as (params, version):
     engine = rollout.JaxEngine(graphdef, params, task_objs,
                                rollout_settings(config, seeds, draft_vocab=draft_vocab),
+                               tokenizer=tokenizer_lib.for_data(config.data),
                                policy_version=version)
   engine.release_params()
   del params

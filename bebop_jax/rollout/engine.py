@@ -18,20 +18,25 @@ import numpy as np
 from flax import nnx
 
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data.tokenizer import BaseTokenizer
 from bebop_jax.decoding import multi_turn
 from bebop_jax.rollout import base
 
 
 class JaxEngine(base.RolloutEngine):
-  """Rollouts of the policy `(graphdef, params)` on examples of `tasks` ({name: Task})."""
+  """Rollouts of the policy `(graphdef, params)` on examples of `tasks` ({name: Task}).
+
+  `tokenizer` encodes the prompts, decodes each policy turn for its environment and encodes
+  the replies; a turn stops at its `eos_id` (and, for multi-turn tasks, its `call_end_id`).
+  """
 
   def __init__(self, graphdef: nnx.GraphDef, params: nnx.State,
-               tasks: Mapping[str, tasks_lib.Task], settings: base.RolloutSettings,
-               policy_version: int = 0):
+               tasks: Mapping[str, tasks_lib.Task], settings: base.RolloutSettings, *,
+               tokenizer: BaseTokenizer, policy_version: int = 0):
     self.graphdef, self.params = graphdef, params
     self.tasks = dict(tasks)
     self.settings = settings
+    self.tokenizer = tokenizer
     self.policy_version = policy_version
     self.num_draft_steps = 0
     if settings.engine == "speculative":
@@ -96,13 +101,13 @@ class JaxEngine(base.RolloutEngine):
                 params: nnx.State, policy_version: int) -> base.Rollouts:
     start = time.perf_counter()
     s = self.settings
-    tok = get_tokenizer()
+    tok = self.tokenizer
     task_objs = [self._task(ex) for ex in examples]
     prompts = [tok.encode_prompt(ex.prompt) for ex in examples]
     envs = [task.environment(ex) for task, ex in zip(task_objs, examples)]
     stop_tokens = (tok.eos_id, tok.call_end_id)
     row_stops = np.array([[True, task.multi_turn] for task in task_objs], bool).reshape(-1, 2)
-    common = dict(batch_size=s.batch_size, max_new_tokens=s.max_new_tokens,
+    common = dict(tokenizer=tok, batch_size=s.batch_size, max_new_tokens=s.max_new_tokens,
                   params=s.sampling, stop_tokens=stop_tokens, row_stops=row_stops,
                   max_turn_tokens=s.max_turn_tokens,
                   max_turns=max((task.max_turns for task in task_objs), default=1),

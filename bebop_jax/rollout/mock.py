@@ -11,7 +11,7 @@ import numpy as np
 
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data.tokenizer import get_tokenizer
+from bebop_jax.data.tokenizer import BaseTokenizer
 from bebop_jax.decoding import multi_turn
 from bebop_jax.rollout import base
 
@@ -23,13 +23,15 @@ class MockEngine(base.RolloutEngine):
   """Each completion is `completion_fn(example, row, seed)` followed by eos, scored by the
   task's reward; tokens between RESULT_START and RESULT_END are environment replies (not in
   the policy mask). A completion longer than `max_new_tokens` is cut there (its eos too)
-  and marked truncated. Behaviour log-probs are the constant `logprob`, entropies
-  `entropy`; one turn, one target forward per token after the first; no drafts (K = 0)."""
+  and marked truncated; `tokenizer` encodes prompts and completions. Behaviour log-probs
+  are the constant `logprob`, entropies `entropy`; one turn, one target forward per token
+  after the first; no drafts (K = 0)."""
 
   def __init__(self, tasks: Mapping[str, tasks_lib.Task], completion_fn: CompletionFn,
                settings: base.RolloutSettings = base.RolloutSettings(engine="autoregressive"),
-               *, logprob: float = -1.0, entropy: float = 1.0):
+               *, tokenizer: BaseTokenizer, logprob: float = -1.0, entropy: float = 1.0):
     self.tasks, self.completion_fn, self.settings = dict(tasks), completion_fn, settings
+    self.tokenizer = tokenizer
     self.logprob, self.entropy = logprob, entropy
     self.params = None
 
@@ -38,7 +40,7 @@ class MockEngine(base.RolloutEngine):
 
   def generate(self, examples: Sequence[tasks_lib.Example], rng: jax.Array) -> base.Rollouts:
     start = time.perf_counter()
-    tok = get_tokenizer()
+    tok = self.tokenizer
     seed = int(jax.random.randint(rng, (), 0, 2 ** 30))
     n_max = self.settings.max_new_tokens
     prompts, episodes = [], []

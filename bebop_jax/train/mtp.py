@@ -49,7 +49,6 @@ from bebop_jax.data import drafter_store as drafter_store_lib
 from bebop_jax.data import packing
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.data.tokenizer import get_tokenizer
 from bebop_jax.decoding import batching, diagnostics, sampling
 from bebop_jax.decoding import draft_vocab as draft_vocab_lib
 from bebop_jax.losses import mtp as mtp_losses
@@ -84,11 +83,12 @@ sft_workdir = checkpoint_lib.sft_workdir  # where the policy the drafter is for 
 def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
                     examples: dict[str, Sequence[tasks_lib.Example]],
                     task_objs: dict[str, tasks_lib.Task], rng: jax.Array,
-                    settings: rollout.RolloutSettings, progress: bool = False,
+                    settings: rollout.RolloutSettings, *,
+                    tokenizer: tokenizer_lib.BaseTokenizer, progress: bool = False,
                     desc: str = f"[{STAGE}] rollouts") -> dict[str, rollout.Rollouts]:
-  """{task: one rollout per example} from the rollout engine (`progress`: a bar with an
-  ETA titled `desc`, a step per task)."""
-  engine = rollout.JaxEngine(graphdef, params, task_objs, settings)
+  """{task: one rollout per example} from the rollout engine, with `tokenizer` (`progress`:
+  a bar with an ETA titled `desc`, a step per task)."""
+  engine = rollout.JaxEngine(graphdef, params, task_objs, settings, tokenizer=tokenizer)
   bar = metrics_lib.Progress(sum(len(e) for e in examples.values()), 0, desc,
                              disable=not progress, unit="prompt")
   out = {}
@@ -194,7 +194,7 @@ def policy_rollouts(config: ml_collections.ConfigDict, graphdef, params, split: 
       evaluation.settings(config, engine=engine, temperature=m.temperature, top_k=0,
                           top_p=1.0, max_new_tokens=m.data.max_new_tokens,
                           batch_size=m.data.batch_size, return_hidden=return_hidden),
-      progress=progress, desc=desc)
+      tokenizer=tokenizer_lib.for_data(config.data), progress=progress, desc=desc)
 
 
 def drafter_dataset(config: ml_collections.ConfigDict, graphdef, params,
@@ -403,11 +403,13 @@ def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examp
   the policy tokens verifications emitted per verification), pass@1, overall and per task,
   and seconds. `draft_vocab`: the drafter's reduced vocabulary (None: the whole head)."""
   results = {}
+  tok = tokenizer_lib.for_data(config.data)
   for mode in modes:
     start = time.perf_counter()
     engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
         config, temperature=config.mtp.temperature, top_k=0, top_p=1.0, mode=mode,
-        draft_vocab=None if draft_vocab is None else tuple(int(i) for i in draft_vocab)))
+        draft_vocab=None if draft_vocab is None else tuple(int(i) for i in draft_vocab)),
+        tokenizer=tok)
     by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed)
     accuracy = evaluation.pass_at_1(by_task)
     per_task = {n: {**_acceptance(r), "accuracy": accuracy[n]} for n, r in by_task.items()}
@@ -684,7 +686,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     _write_draft_counts(workdir, counts)
   vocab, vocab_info = None, {"size": 0}
   if m.draft_vocab:
-    tok = get_tokenizer()
+    tok = tokenizer_lib.for_data(config.data)
     vocab = draft_vocab_lib.top_tokens(counts, m.draft_vocab, (tok.eos_id, tok.call_end_id))
     if multihost.is_primary():
       np.save(_stored_vocabulary_path(workdir), vocab)

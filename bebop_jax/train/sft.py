@@ -28,6 +28,7 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.losses import lm
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
@@ -56,6 +57,7 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
   names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
   task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
   examples = {n: pipeline.eval_examples(d, n, e.num_examples) for n in names}
+  tok = tokenizer_lib.for_data(d)
 
   def eval_fn(state: trainer.TrainState) -> dict[str, float]:
     # With several processes, process 0 evaluates on its own device and tells the others.
@@ -63,7 +65,8 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
 
     def evaluate() -> dict[str, float]:
       engines = {t: rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
-          config, engine="autoregressive", temperature=t)) for t in e.temperatures}
+          config, engine="autoregressive", temperature=t), tokenizer=tok)
+                 for t in e.temperatures}
       start = time.perf_counter()
       with multihost.local_context():
         results = evaluation.evaluate_tasks(engines, examples, seed=config.seed)
@@ -87,7 +90,8 @@ def heldout_rollouts(config: ml_collections.ConfigDict, graphdef, params, *,
   task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
   examples = {n: pipeline.eval_examples(d, n, num_examples) for n in names}
   engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
-      config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0))
+      config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0),
+      tokenizer=tokenizer_lib.for_data(d))
   return evaluation.rollouts_by_task(engine, examples, seed=seed)
 
 
