@@ -1,5 +1,5 @@
 """Typed settings of `config.eval` (held-out evaluation by sampling, bebop_jax.evaluation) and
-`config.report` (the evaluation stage, bebop_jax.eval_stage; bebop_jax.report renders it)
+`config.report` (the evaluation stage, bebop_jax.stages.eval; bebop_jax.stages.report renders it)
 (bebop_jax.settings_base)."""
 
 from __future__ import annotations

@@ -31,10 +31,11 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from bebop_jax import config as config_lib
-from bebop_jax import console
+from bebop_jax.stages import config as config_lib
+from bebop_jax.stages import console
 from bebop_jax import multihost
 from bebop_jax import sharding
+from bebop_jax import compilation
 from bebop_jax import stages
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -129,7 +130,7 @@ def _main():
   workdir = os.path.abspath(_WORKDIR.value or console.default_workdir(
       flags.FLAGS["config"].config_filename))
   os.makedirs(workdir, exist_ok=True)
-  stages.enable_compilation_cache(_COMPILATION_CACHE.value, workdir)
+  compilation.enable_compilation_cache(_COMPILATION_CACHE.value, workdir)
   console.route_logs(workdir, to_terminal=to_terminal)
   logging.info("workdir: %s", os.path.abspath(workdir))
   stages.run(config, workdir)

@@ -7,7 +7,7 @@ module, in bfloat16; `tiny`: the test preset, for the script's CPU mode. Prompts
 synthetic tasks' (character tokens, a small part of the 151,936-entry vocabulary).
 """
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import config as model_config
 
 SIZES = ("qwen3_0p6b", "tiny")

@@ -1,6 +1,6 @@
 """A seconds-long data run for tests: tiny datasets, tiny batches."""
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 
 
 def get_config(arg: str | None = None):

@@ -12,7 +12,7 @@ autoregressive decoding and the report (docs/main_job.md has the times). Writes
 resumed from its last checkpoint when interrupted: rerun the same command.
 """
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import config as model_config
 
 

@@ -10,7 +10,7 @@ modules, on the same cached rollouts with the same budget (steps, batch, learnin
 the sweep compares objectives only.
 """
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.losses.mtp import LOSSES
 from bebop_jax.model import config as model_config
 

@@ -18,7 +18,7 @@ field against config.json and places each tensor onto its sharding), with its to
       --config.sft.init_from_hf=/ckpt/Qwen3-8B --config.data.tokenizer=/ckpt/Qwen3-8B
 """
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import config as model_config
 
 _PRESETS = {"1p7b": "qwen3_1p7b", "8b": "qwen3_8b"}

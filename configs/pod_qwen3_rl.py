@@ -15,7 +15,7 @@ the data-parallel sizes).
 
 import os
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import sharding
 
 _SIZES = ("1p7b", "8b")

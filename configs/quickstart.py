@@ -14,7 +14,7 @@ same command. configs/laptop.py runs the same stages at about 2.5 times the budg
 multi-turn agentic task as well.
 """
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import config as model_config
 
 

@@ -6,7 +6,7 @@ eval stage, seconds per stage.
 
 import os
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 
 
 def get_config(arg: str | None = None):

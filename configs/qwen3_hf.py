@@ -21,7 +21,7 @@ set the mesh and the scale as configs/pod_qwen3.py does, e.g. for Qwen3-8B:
 
 import os
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import hf
 
 

@@ -12,7 +12,7 @@ and its log reports staleness and idle times. It does not show an async speedup
 
 import os
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 
 
 def get_config(arg: str | None = None):

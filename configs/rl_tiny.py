@@ -7,7 +7,7 @@ rewards are mostly 0: this config checks that every piece runs, not that RL impr
 (configs/quickstart.py does that).
 """
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 
 
 def get_config(arg: str | None = None):

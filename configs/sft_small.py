@@ -3,7 +3,7 @@
   python -m bebop_jax.main --config=configs/sft_small.py --workdir=runs/sft_small
 """
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import config as model_config
 
 

@@ -1,6 +1,6 @@
 """A seconds-long SFT run for tests: the tiny model, tiny data, a few steps."""
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 
 
 def get_config(arg: str | None = None):

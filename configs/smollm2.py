@@ -30,7 +30,7 @@ measured times on two CPU cores.
 
 import os
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.model import gguf, hf
 

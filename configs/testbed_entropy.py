@@ -16,7 +16,7 @@ SFT policy.
 
 import os
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.tasks import TASK_NAMES
 
 

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
   os.environ["JAX_PLATFORMS"] = "cpu"
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax  # pylint: disable=g-import-not-at-top
-  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.rl import aot  # pylint: disable=g-import-not-at-top
 
   if jax.device_count() != args.num_devices:

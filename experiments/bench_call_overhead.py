@@ -36,11 +36,12 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import (adaptive, autoregressive, benchmark, sampling, segments,
+from bebop_jax.stages import decode_timing  # pylint: disable=g-bad-import-order
+from bebop_jax.decoding import (adaptive, autoregressive, sampling, segments,
                                 speculative)
-from bebop_jax.train import mtp
+from bebop_jax.stages import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/laptop.py",
                                           "Experiment config.", lock_config=False)
@@ -58,7 +59,7 @@ def main(argv):
   config = config_lib.validate(_CONFIG.value)
   graphdef, state, source = mtp.load_workdir_policy(
       config, _WORKDIR.value, which="random" if _RANDOM.value else "auto")
-  tokens, lengths = benchmark.prompt_batches(config, 1, _PROMPT.value + 1)[_PROMPT.value]
+  tokens, lengths = decode_timing.prompt_batches(config, 1, _PROMPT.value + 1)[_PROMPT.value]
   tok = tokenizer_lib.for_data(config.data)
   stop = (tok.eos_id, tok.call_end_id)
   params = sampling.SamplingParams(temperature=1.0)

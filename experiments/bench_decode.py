@@ -9,7 +9,7 @@ shape is used. Prompts are held-out task prompts. For every batch size,
 temperature and verification mode it reports tokens/s of both loops over the same prompts (batch 1
 decodes --num_prompts prompts one after another), the speed ratio with its 95% interval over
 --repeats passes interleaved in alternating order (the defaults meet the protocol of every
-published wall-clock figure: benchmark.meets_protocol, recorded in each row),
+published wall-clock figure: decode_timing.meets_protocol, recorded in each row),
 tokens per target forward, and per-depth acceptance online and teacher-forced (the
 self-consistency diagnostic). Temperature 0 uses mode "exact"; temperature > 0 the others.
 
@@ -45,14 +45,19 @@ import os
 import shlex
 import sys
 
+if __package__ in (None, ""):  # run as a script: the checkout's root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import adaptive, benchmark
-from bebop_jax.train import mtp
+from bebop_jax.decoding import adaptive
+from bebop_jax.stages import decode_timing
+from bebop_jax.stages import mtp
+from experiments import episode_benchmark
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
                                           lock_config=True)
@@ -63,9 +68,9 @@ _MODES = flags.DEFINE_list("modes", ["rejection", "greedy_draft", "strict", "blo
                            "Verification modes at temperature > 0.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per row.")
 _REPEATS = flags.DEFINE_integer(
-    "repeats", benchmark.MIN_REPEATS, "Timed passes of each arm, interleaved in alternating "
+    "repeats", decode_timing.MIN_REPEATS, "Timed passes of each arm, interleaved in alternating "
     "order; the ratio's 95% interval is over passes.")
-_PROMPTS = flags.DEFINE_integer("num_prompts", benchmark.MIN_PROMPTS, "Prompts per pass (at "
+_PROMPTS = flags.DEFINE_integer("num_prompts", decode_timing.MIN_PROMPTS, "Prompts per pass (at "
                                 "least one batch): batch 1 decodes them one after another.")
 _RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model.")
 _POLICY = flags.DEFINE_enum("policy", "auto", ["auto", "sft", "mtp"],
@@ -115,8 +120,8 @@ def main(argv):
   use_adaptive = (config.decoding.adaptive.enabled if _ADAPTIVE.value is None
                   else _ADAPTIVE.value)
   if _BATCH.value:
-    print(benchmark.header(_SPLIT.value))
-  results = benchmark.run_benchmark(
+    print(decode_timing.header(_SPLIT.value))
+  results = decode_timing.run_benchmark(
       config, graphdef, state, batch_sizes=[int(b) for b in _BATCH.value],
       temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
       max_new=_MAX_NEW.value, repeats=_REPEATS.value,
@@ -125,9 +130,9 @@ def main(argv):
       adaptive_settings=adaptive.settings_from_config(config) if use_adaptive else None)
   episodes = {}
   if _EPISODES.value:
-    print(f"\nmulti-turn: whole agentic episodes\n{benchmark.episode_header()}")
+    print(f"\nmulti-turn: whole agentic episodes\n{episode_benchmark.episode_header()}")
     episodes = {"episode_max_new_tokens": _EPISODE_MAX_NEW.value,
-                "results_multi_turn": benchmark.run_episode_benchmark(
+                "results_multi_turn": episode_benchmark.run_episode_benchmark(
                     config, graphdef, state, batch_sizes=[int(b) for b in _EPISODES.value],
                     temperatures=[float(t) for t in _TEMPS.value], modes=list(_MODES.value),
                     max_new_tokens=_EPISODE_MAX_NEW.value, repeats=_REPEATS.value,
@@ -135,8 +140,8 @@ def main(argv):
   short = [r for r in results if not r["meets_protocol"]]
   if short:
     print(f"{len(short)} of {len(results)} rows fall short of the protocol (at least "
-          f"{benchmark.MIN_REPEATS} passes over {benchmark.MIN_PROMPTS} prompts and "
-          f"{benchmark.MIN_TOKENS} tokens per arm): raise --repeats, --num_prompts or "
+          f"{decode_timing.MIN_REPEATS} passes over {decode_timing.MIN_PROMPTS} prompts and "
+          f"{decode_timing.MIN_TOKENS} tokens per arm): raise --repeats, --num_prompts or "
           "--max_new_tokens before publishing them")
   out = _OUT.value or os.path.join(_WORKDIR.value or ".", "bench_decode.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

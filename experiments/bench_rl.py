@@ -20,13 +20,13 @@ sync only.
 
 from __future__ import annotations
 
+import os  # pylint: disable=g-bad-import-order
 import sys
 
 if __package__ in (None, ""):  # run as a script: the checkout's root on the path
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
-import os
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -70,12 +70,12 @@ def main(argv):
                                f" --xla_force_host_platform_device_count={_SIM.value}").strip()
   import jax  # pylint: disable=g-import-not-at-top  # after XLA_FLAGS
   from experiments import rl_benchmark as bench  # pylint: disable=g-import-not-at-top
-  from bebop_jax import stages  # pylint: disable=g-import-not-at-top
+  from bebop_jax import compilation  # pylint: disable=g-import-not-at-top
   config = _CONFIG.value
   init_from = _INIT.value or config.rl.init_from
   if not init_from or not _WORKDIR.value:
     raise app.UsageError("--workdir and --init_from (or the config's rl.init_from) are needed")
-  stages.enable_compilation_cache(_COMPILATION_CACHE.value, _WORKDIR.value)
+  compilation.enable_compilation_cache(_COMPILATION_CACHE.value, _WORKDIR.value)
   split = (jax.device_count() >= 2 if _PLACEMENT.value == "auto"
            else _PLACEMENT.value == "split")
   config = bench.bench_config(config, init_from, steps=_STEPS.value,

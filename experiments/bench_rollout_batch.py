@@ -23,9 +23,9 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from bebop_jax import config as config_lib
-from bebop_jax.train import lineage
-from bebop_jax.train import mtp
+from bebop_jax.stages import config as config_lib
+from bebop_jax.stages import lineage
+from bebop_jax.stages import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding the SFT stage.")

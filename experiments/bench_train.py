@@ -31,7 +31,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import rollout, sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
@@ -40,7 +40,8 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import flops as flops_lib
 from bebop_jax.rl import learner as learner_lib
-from bebop_jax.train import mtp, optimizer as optimizer_lib, sft, trainer
+from bebop_jax.stages import mtp, sft
+from bebop_jax.train import optimizer as optimizer_lib, trainer
 
 STAGES = ("sft", "mtp", "rl")
 

@@ -27,11 +27,12 @@ import shutil
 import numpy as np
 from absl import app, flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import stages
 from bebop_jax.losses.mtp import LOSSES
 from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.train import mtp
+from bebop_jax.stages import mtp
+from bebop_jax.stages import lineage
 
 _CONFIG = flags.DEFINE_string("config", "configs/smollm2.py", "Experiment config file.")
 _ARG = flags.DEFINE_string("config_arg", None, "Argument passed to get_config.")
@@ -104,7 +105,7 @@ def main(argv):
   runs = {}
   if "warm" in _STARTS.value and warm:
     shared = os.path.join(_WORKDIR.value, "warm_phase")
-    if mtp.read_summary(shared) is None:
+    if lineage.read_summary(shared, "mtp") is None:
       # Any objective: the run stops where the warm phase ends, so it never trains it.
       summary = mtp.run(_config(_LOSSES.value[0], warm, total, stop_at_step=warm), shared)
       if summary.get("complete"):
@@ -119,7 +120,7 @@ def main(argv):
       runs[f"{start}/{loss}"] = workdir
   points, info = [], {}
   for name, workdir in runs.items():
-    s = mtp.read_summary(workdir)
+    s = lineage.read_summary(workdir, "mtp")
     tokens_per_step = s["policy_tokens"] / s["rows"] * base.mtp.batch_size
     points += _points(name, workdir, tokens_per_step)
     info[name] = {"schedule": s["schedule"], "init": s["init"], "steps": s["steps"],

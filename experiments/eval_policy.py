@@ -27,8 +27,8 @@ from ml_collections import config_flags
 from bebop_jax import evaluation
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.train import lineage
-from bebop_jax.train import sft
+from bebop_jax.stages import lineage
+from bebop_jax.stages import sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
                                           lock_config=True)

@@ -38,10 +38,11 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import autoregressive, benchmark, sampling, speculative
-from bebop_jax.train import mtp
+from bebop_jax.decoding import autoregressive, sampling, speculative
+from bebop_jax.stages import decode_timing
+from bebop_jax.stages import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/laptop.py",
                                           "Experiment config.", lock_config=False)
@@ -216,7 +217,7 @@ def main(argv):
   graphdef, state, source = mtp.load_workdir_policy(
       config, _WORKDIR.value, which="random" if _RANDOM.value else "auto")
   # Held-out prompts padded to their buckets (a loop compiles once per bucket, before timing).
-  prompts = benchmark.prompt_batches(config, 1, _PROMPTS.value)
+  prompts = decode_timing.prompt_batches(config, 1, _PROMPTS.value)
   p = int(np.median([t.shape[1] for t, _ in prompts]))  # the parts' prompt bucket
   stored = (mtp.stored_draft_vocabulary(_WORKDIR.value)
             if _WORKDIR.value and not _RANDOM.value and _DRAFT_VOCAB.value == "stored" else None)

@@ -14,7 +14,7 @@ it; the rollout key of step s is fold_in(seed, s) and the prompt stream is check
 sync arm's trajectory does not depend on where it was cut (an async arm's first batch after a
 resume is sampled with the current weights, so it has no overlap and no staleness). Held-out
 evaluations land at the same steps in every arm. A stage start reloads the programs (the
-persistent compilation cache makes that a load: stages.enable_compilation_cache), so the first
+persistent compilation cache makes that a load: compilation.enable_compilation_cache), so the first
 `warmup` steps after each start (of each block) are left out of the statistics below. The
 segments run are logged in `<workdir>/bench_rl_schedule.json`, so a rerun resumes the
 schedule.
@@ -59,6 +59,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from experiments.findings.stats import t_critical
+from bebop_jax.stages import lineage
 
 ARMS = ("autoregressive_sync", "autoregressive_async", "speculative_sync", "speculative_async")
 # Speculative rollouts with the draft length chosen by decoding.adaptive (--arms adds them).
@@ -437,12 +438,11 @@ def bench_config(config: Any, init_from: str, *, steps: int, eval_every: int,
 
 def _steps_done(arm_dir: str) -> int:
   """RL steps an arm's workdir holds: all when complete, else its latest checkpoint's step."""
-  from bebop_jax.rl import stage  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-  summary = stage.read_summary(arm_dir)
+  summary = lineage.read_summary(arm_dir, "rl")
   if summary is not None:
     return int(summary["steps"])
-  ckpt_dir = os.path.join(stage.stage_dir(arm_dir), "checkpoints")
+  ckpt_dir = os.path.join(lineage.stage_dir(arm_dir, "rl"), "checkpoints")
   if not os.path.isdir(ckpt_dir):
     return 0
   with checkpoint_lib.Checkpointer(ckpt_dir) as ckpt:
@@ -464,7 +464,7 @@ def run_arms(config: Any, workdir: str, arms: Sequence[str], *, split: bool,
     target: held-out mean pass@1 to time (None: default_target).
     block_steps: steps per block (module docstring); 0 or >= rl.train.num_steps: one block,
       each arm in one go. Stage restarts recompile or reload programs: enable the persistent
-      compilation cache (stages.enable_compilation_cache) first.
+      compilation cache (compilation.enable_compilation_cache) first.
 
   Returns:
     {"arms": per arm arm_stats (with "learner_compile_s" and "interleaved"), "ratios":
@@ -478,8 +478,8 @@ def run_arms(config: Any, workdir: str, arms: Sequence[str], *, split: bool,
       block size.
     RuntimeError: when an arm did not reach the end of its block.
   """
-  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from bebop_jax.rl import stage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import rl as stage  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   steps = config.rl.train.num_steps
   m = block_size(steps, block_steps)
@@ -516,11 +516,11 @@ def run_arms(config: Any, workdir: str, arms: Sequence[str], *, split: bool,
   raw, compile_s, starts, interleaved = {}, {}, {}, []
   for arm in arms:
     arm_dir = os.path.join(workdir, arm)
-    summary = stage.read_summary(arm_dir)
+    summary = lineage.read_summary(arm_dir, "rl")
     if summary is None:
       raise RuntimeError(f"arm {arm} is not complete in {arm_dir}; rerun to resume")
     compile_s[arm] = summary["timing"]["compile_s"]
-    evals = metrics_lib.read_json(os.path.join(stage.stage_dir(arm_dir), "evals.json")) or {}
+    evals = metrics_lib.read_json(os.path.join(lineage.stage_dir(arm_dir, "rl"), "evals.json")) or {}
     raw[arm] = (metrics_lib.read_metrics(arm_dir, "rl"), evals)
     segments = [s for s in log["segments"] if s["arm"] == arm]
     # Step 1 always starts a segment (one run before this schedule's log, if none is logged).
@@ -549,6 +549,6 @@ def run_arms(config: Any, workdir: str, arms: Sequence[str], *, split: bool,
 def apply_overrides(config: Any, overrides: Mapping[str, Any]) -> Any:
   """A copy of `config` with `config.rl` overrides by dotted key (e.g. "rollout.engine"; a
   key starting with "/" is from the config's root, e.g. "/decoding.adaptive.enabled")."""
-  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top
   return config_lib.apply_overrides(
       config, {k[1:] if k.startswith("/") else f"rl.{k}": v for k, v in overrides.items()})

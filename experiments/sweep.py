@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from absl import app, flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.train import metrics as metrics_lib
 
 LAUNCHERS = ("local", "tpu_vm")

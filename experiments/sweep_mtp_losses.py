@@ -19,21 +19,22 @@ and plots/sweep.png.
 
 from __future__ import annotations
 
+import os  # pylint: disable=g-bad-import-order
 import sys
 
 if __package__ in (None, ""):  # run as a script: the checkout's root on the path
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
-import os
 
 import numpy as np
 from absl import app, flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import stages
 from experiments.findings.common import mean_se as _mean_se
 from bebop_jax.losses.mtp import LOSSES
+from bebop_jax.stages import lineage
 
 _CONFIG = flags.DEFINE_string("config", "configs/mtp_small.py", "Experiment config file.")
 _ARG = flags.DEFINE_string("config_arg", None, "Argument passed to get_config.")
@@ -115,7 +116,6 @@ def plot(rows: list[dict], path: str, mode: str = "rejection"):
 
 def main(argv):
   del argv
-  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
   base = os.path.abspath(_WORKDIR.value)
   sweep = config_lib.load_sweep(_CONFIG.value, _ARG.value,
                                default=[{"mtp.loss": loss} for loss in LOSSES])
@@ -144,7 +144,7 @@ def main(argv):
         workdir = os.path.join(base, start, name, f"seed{seed}")
         os.makedirs(workdir, exist_ok=True)
         stages.run(config, workdir)
-        s = mtp.read_summary(workdir)
+        s = lineage.read_summary(workdir, "mtp")
         evals = [(name, s["after"])]
         if s.get("before") and not before_done and config.mtp.init == "sft":
           evals.append(("sft (joint ce)", s["before"]))  # the same for every seed

@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top
 
 # The longest files first: with two workers taking one file at a time, a long file picked
 # up last would run alone at the end.
@@ -73,10 +73,10 @@ def tiny_data_config(tmp_path_factory):
 def _release_compiled_after_each_module():
   """The whole suite runs in one process: drop each module's compiled executables when it
   ends, so generated-code memory maps do not pile up towards vm.max_map_count (see
-  bebop_jax.decoding.benchmark.release_compiled)."""
+  bebop_jax.compilation.release_compiled)."""
   yield
-  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
-  benchmark.release_compiled()
+  from bebop_jax import compilation  # pylint: disable=g-import-not-at-top
+  compilation.release_compiled()
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

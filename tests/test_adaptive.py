@@ -306,7 +306,7 @@ def test_an_unmeasured_seed_is_replaced_by_the_first_observation():
 
 
 def test_the_eval_stage_summarizes_adaptive_rows():
-  from bebop_jax import eval_stage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import eval as eval_stage  # pylint: disable=g-import-not-at-top
   table = [{"k": 0, "rows": 1, "bucket": 64, "seconds": 0.001}]
   rows = [{"batch": 1, "mode": "rejection", "speedup": 0.9},
           {"batch": 1, "mode": "rejection", "k": "adaptive", "speedup": 1.1,

@@ -10,8 +10,9 @@ import pytest
 from scipy import stats
 
 from experiments import rl_benchmark as bench
-from bebop_jax import config as config_lib
-from bebop_jax.rl import stage
+from bebop_jax.stages import config as config_lib
+from bebop_jax.stages import rl as stage
+from bebop_jax.stages import lineage
 
 
 def _records(n, rollout, learner, step, staleness=0.0):
@@ -185,7 +186,7 @@ class _ScriptedStage:
     arm = os.path.basename(arm_dir)
     first, stop = self.done.get(arm, 0) + 1, cfg.rl.train.stop_at_step
     self.calls.append((arm, first, stop))
-    os.makedirs(stage.stage_dir(arm_dir), exist_ok=True)
+    os.makedirs(lineage.stage_dir(arm_dir, "rl"), exist_ok=True)
     for s in range(first, stop + 1):
       if (arm, s) == self.crash:
         self.crash = None
@@ -195,10 +196,10 @@ class _ScriptedStage:
         f.write(json.dumps({**_timed({s: seconds})[0], "stage": "rl"}) + "\n")
       self.done[arm] = s
     evals = {"0": {"pass_at_1": {"math": 0.5}}}
-    with open(os.path.join(stage.stage_dir(arm_dir), "evals.json"), "w") as f:
+    with open(os.path.join(lineage.stage_dir(arm_dir, "rl"), "evals.json"), "w") as f:
       json.dump(evals, f)
     if stop == cfg.rl.train.num_steps:
-      with open(os.path.join(stage.stage_dir(arm_dir), "summary.json"), "w") as f:
+      with open(os.path.join(lineage.stage_dir(arm_dir, "rl"), "summary.json"), "w") as f:
         json.dump({"steps": stop, "complete": True, "timing": {"compile_s": 1.0}}, f)
       return {"steps": stop, "complete": True}
     return {"steps": stop, "complete": False}
@@ -318,7 +319,7 @@ def test_default_target_is_halfway_to_the_best_improvement():
 
 
 def test_adaptive_arms_are_speculative_rollouts_with_the_adaptive_draft_length():
-  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top
   base = config_lib.base_config()
   for arm in bench.ALL_ARMS:
     cfg = bench.apply_overrides(base, bench.arm_overrides(arm, split=False))

@@ -26,7 +26,7 @@ from bebop_jax import sharding
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.train import checkpoint as ckpt_lib
-from bebop_jax.train import lineage
+from bebop_jax.stages import lineage
 from bebop_jax.train.checkpoint import CheckpointMismatchError, Checkpointer, abstract_like
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -319,7 +319,7 @@ def test_relative_directory(tmp_path, monkeypatch):
 
 
 def _stage_config(sft_trainable: str):
-  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.load_file(os.path.join(REPO_ROOT, "configs", "rl_tiny.py"))
   config.sft.optim.trainable = sft_trainable
   return config
@@ -429,12 +429,3 @@ def test_restore_policy_of_the_rl_stage_onto_a_mesh(tmp_path, monkeypatch):
   assert got["embed"].sharding.spec == P("tensor", None)  # really sharded
   with pytest.raises(FileNotFoundError, match="no mtp checkpoint"):
     lineage.restore_policy(config, workdir, stage="mtp")
-
-
-def test_policy_names_resolve_to_lineage_from_checkpoint():
-  """Callers not yet moved to train/lineage.py reach it through the checkpoint module."""
-  for name in ("PARAM_KEYS", "initial_policy", "restore_policy", "sft_workdir",
-               "uses_pretrained"):
-    assert getattr(ckpt_lib, name) is getattr(lineage, name)
-  with pytest.raises(AttributeError):
-    ckpt_lib.no_such_name  # pylint: disable=pointless-statement

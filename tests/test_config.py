@@ -6,7 +6,7 @@ import sys
 import ml_collections
 import pytest
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import settings as settings_lib
 from bebop_jax.rl import settings as rl_settings
 
@@ -140,7 +140,7 @@ def test_a_placement_error_names_the_devices_and_how_to_simulate_them(tmp_path,
 
 
 def test_run_hints_read_the_config_docstring(tmp_path):
-  from bebop_jax import console  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import console  # pylint: disable=g-import-not-at-top
   path = tmp_path / "c.py"
   path.write_text('r"""Doc.\n\n  XLA_FLAGS=--x=2 \\\n      python -m bebop_jax.main --config=c.py\n"""\n')
   assert console.run_hints(f"{path}:arg") == [
@@ -168,20 +168,19 @@ def test_cli_runs_the_data_stage(tmp_path):
 
 
 def test_compilation_cache_reloads_a_released_program(tmp_path):
-  """stages.enable_compilation_cache (the CLIs' --compilation_cache): a program compiled,
-  released (benchmark.release_compiled) and needed again is a cache hit, not a compile."""
+  """compilation.enable_compilation_cache (the CLIs' --compilation_cache): a program compiled,
+  released (compilation.release_compiled) and needed again is a cache hit, not a compile."""
   code = (
       "import sys\n"
-      "from bebop_jax import stages\n"
-      "from bebop_jax.decoding import benchmark\n"
+      "from bebop_jax import compilation\n"
       "from bebop_jax.train import metrics\n"
-      "stages.enable_compilation_cache(sys.argv[1], 'unused')\n"
+      "compilation.enable_compilation_cache(sys.argv[1], 'unused')\n"
       "import jax, jax.numpy as jnp\n"
       "metrics.compile_stats()\n"
       "f, x = lambda x: jnp.sin(x) * 3.0 + 1.0, jnp.ones(5)\n"
       "jax.block_until_ready(jax.jit(f)(x))\n"
       "first = metrics.compile_stats()\n"
-      "benchmark.release_compiled()\n"
+      "compilation.release_compiled()\n"
       "jax.block_until_ready(jax.jit(f)(x))\n"
       "print(first['cache_hits'], metrics.compile_stats(since=first)['cache_hits'])\n")
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
@@ -239,14 +238,14 @@ def test_bad_model_and_training_values():
 
 
 def test_the_config_reference_is_current():
-  """docs/configs.md is what `python -m bebop_jax.config` writes (on one CPU device, as a
+  """docs/configs.md is what `python -m bebop_jax.stages.config` writes (on one CPU device, as a
   user regenerates it): every key of base_config with its default and, from the typed
   settings' fields, its type, what it allows and what it means."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-m", "bebop_jax.config"], cwd=REPO, env=env,
+  out = subprocess.run([sys.executable, "-m", "bebop_jax.stages.config"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300, check=True).stdout
   with open(os.path.join(REPO, "docs", "configs.md")) as f:
-    assert f.read() == out, "docs/configs.md is stale: python -m bebop_jax.config > docs/configs.md"
+    assert f.read() == out, "docs/configs.md is stale: python -m bebop_jax.stages.config > docs/configs.md"
   rows = [line for line in out.splitlines() if line.startswith("| `")]
   keys = [line.split("`")[1] for line in rows]
   assert "rl.asynchronous.max_staleness" in keys and "data.tasks.math.knobs.max_value" in keys

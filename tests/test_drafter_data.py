@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.data import drafter_store
 from bebop_jax.decoding import diagnostics
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model import config as model_config
 from bebop_jax.model import drafter_init
 from bebop_jax.model import model as policy_lib
-from bebop_jax.train import mtp
+from bebop_jax.stages import mtp
+from bebop_jax.train import drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,7 +91,7 @@ def test_features_are_cached_atomically_and_memory_mapped(tmp_path):
 
 def test_packing_caps_each_rows_loss_targets_and_lists_them():
   seqs = [(r["tokens"], r["loss_mask"]) for r in _records(40, seed=2)]
-  rows = mtp.pack_rows(seqs, 24, max_targets=8)
+  rows = drafter.pack_rows(seqs, 24, max_targets=8)
   assert rows["rows"].shape == (len(rows["tokens"]), 8)
   per_row = rows["loss_mask"][:, 1:].sum(1)
   assert per_row.max() <= 8
@@ -105,7 +106,7 @@ def test_packing_caps_each_rows_loss_targets_and_lists_them():
       found.append((tuple(rows["tokens"][r, idx]), tuple(rows["loss_mask"][r, idx])))
   assert sorted(found) == sorted((tuple(t), tuple(m)) for t, m in seqs)
   # Without the cap the same sequences need fewer rows.
-  assert len(mtp.pack_rows(seqs, 24)["tokens"]) < len(rows["tokens"])
+  assert len(drafter.pack_rows(seqs, 24)["tokens"]) < len(rows["tokens"])
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +120,8 @@ def test_cached_trunk_features_give_the_in_step_loss(tiny):
   in the step: the features are the trunk's h0 of the packed rows."""
   cfg, graphdef, state = tiny
   seqs = [(r["tokens"], r["loss_mask"]) for r in _records(12, seed=3)]
-  rows = mtp.pack_rows(seqs, 16, max_targets=16)
-  feats = mtp.trunk_features(graphdef, state, rows, batch_size=4)
+  rows = drafter.pack_rows(seqs, 16, max_targets=16)
+  feats = drafter.trunk_features(graphdef, state, rows, batch_size=4)
   assert feats.shape == rows["tokens"].shape + (cfg.d_model,)
   config = config_lib.base_config()
   config.mtp.loss = "e2e_tv"
@@ -132,7 +133,7 @@ def test_cached_trunk_features_give_the_in_step_loss(tiny):
   np.testing.assert_allclose(float(cached), float(in_step), rtol=1e-5)
   for k in ("alpha_1", "alpha_2", "kl_1"):
     np.testing.assert_allclose(float(m_cached[k]), float(m_in[k]), rtol=1e-5)
-  assert mtp._features_name("train", rows) != mtp._features_name(  # pylint: disable=protected-access
+  assert drafter._features_name("train", rows) != drafter._features_name(  # pylint: disable=protected-access
       "train", dict(rows, tokens=rows["tokens"][::-1]))
 
 

@@ -187,9 +187,9 @@ def test_truncated_and_emitted_tokens_of_episodes(engine):
 
 def test_tokens_per_forward_by_task_pools_each_tasks_rows():
   import types  # pylint: disable=g-import-not-at-top
-  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import decode_timing  # pylint: disable=g-import-not-at-top
   out = lambda e, f: types.SimpleNamespace(emitted_by_forwards=np.array(e),
                                            row_forwards=np.array(f))
-  got = benchmark.tokens_per_forward_by_task([out([6, 2], [2, 2]), out([9, 0], [3, 0])],
+  got = decode_timing.tokens_per_forward_by_task([out([6, 2], [2, 2]), out([9, 0], [3, 0])],
                                              ["math", "code", "math", "code"])
   assert got == {"code": 2 / 2, "math": (6 + 9) / (2 + 3)}

@@ -1,4 +1,4 @@
-"""The multi-turn decoding benchmark (benchmark.run_episode_benchmark) on a tiny random
+"""The multi-turn decoding benchmark (experiments/episode_benchmark.py) on a tiny random
 policy: its counts against the same episodes run directly through decoding.multi_turn."""
 
 import dataclasses
@@ -7,14 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import benchmark, multi_turn, sampling
+from bebop_jax.decoding import multi_turn, sampling
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.tasks import agentic, base
+from experiments import episode_benchmark
 
 GRAPHDEF, STATE = policy_lib.init(model_config.preset("tiny"), seed=3)
 KW = dict(batch_size=2, max_new_tokens=40, max_turn_tokens=6)
@@ -57,9 +58,9 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
   monkeypatch.setattr(tasks_lib, "get_task", lambda name, **knobs: (
       _EchoAgenticTask(**knobs) if name == "agentic" else get_task(name, **knobs)))
   # Keep the compiled loops for the direct runs below.
-  monkeypatch.setattr(benchmark, "release_compiled", lambda: None)
+  monkeypatch.setattr(episode_benchmark, "release_compiled", lambda: None)
   modes = ("rejection", "strict")
-  rows = benchmark.run_episode_benchmark(
+  rows = episode_benchmark.run_episode_benchmark(
       config, GRAPHDEF, STATE, batch_sizes=[KW["batch_size"]], temperatures=[1.0],
       modes=list(modes), max_new_tokens=KW["max_new_tokens"], repeats=1, num_prompts=3,
       max_turn_tokens=KW["max_turn_tokens"], seed=4)
@@ -114,5 +115,5 @@ def test_episode_benchmark_table_has_a_column_per_header_name():
              continuation_speedup=0.67, tokens_per_target_forward=2.5,
              acceptance_online=[0.5, 0.25], spec_mean_turns=2.0, ar_mean_turns=2.5,
              ar_identical_fraction=1.0)
-  header = benchmark.episode_header().splitlines()[0]
-  assert benchmark.format_episode_row(row).count("|") == header.count("|")
+  header = episode_benchmark.episode_header().splitlines()[0]
+  assert episode_benchmark.format_episode_row(row).count("|") == header.count("|")

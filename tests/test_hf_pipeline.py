@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import sharding
 from bebop_jax import stages
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import hf
 from bebop_jax.model import model as policy_lib
-from bebop_jax.train import lineage
-from bebop_jax.train import mtp as mtp_lib
+from bebop_jax.stages import lineage
+from bebop_jax.stages import mtp as mtp_lib
 from bebop_jax.train import optimizer as optimizer_lib
-from bebop_jax.train import sft as sft_lib
+from bebop_jax.stages import sft as sft_lib
 from bebop_jax.train import trainer
 from experiments import make_tiny_qwen3
 

@@ -12,7 +12,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.tokenizer import HFTokenizer, Tokenizer
@@ -326,7 +326,7 @@ def test_stages_run_tokenizes_with_the_config_tokenizer_and_leaves_nothing_behin
 
 def test_cached_rollouts_are_keyed_by_the_tokenizer(files):
   """The MTP stage caches rollout token ids (train/mtp.py); the TFDS datasets hold text."""
-  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import mtp  # pylint: disable=g-import-not-at-top
   keys = {spec: mtp.store_key(_config(spec))
           for spec in ("char", files["with_markers"], files["without_markers"])}
   assert len(set(keys.values())) == 3

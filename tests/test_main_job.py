@@ -9,13 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from bebop_jax import config as config_lib
-from bebop_jax import report
+from bebop_jax.stages import config as config_lib
+from bebop_jax.stages import report
 from bebop_jax import stages
 from bebop_jax.train import checkpoint as checkpoint_lib
-from bebop_jax.train import lineage
+from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.train import mtp
+from bebop_jax.stages import mtp
+from bebop_jax.train import drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,7 +91,7 @@ def test_the_eval_stage_measures_the_final_rl_policy(job, tmp_path):
   trunk and MTP modules both differ from the MTP stage's."""
   import shutil  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from bebop_jax import eval_stage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import eval as eval_stage  # pylint: disable=g-import-not-at-top
   _, job_workdir, config = job
   steps = config.rl.train.num_steps
   workdir = str(tmp_path / "job")
@@ -119,7 +120,7 @@ def test_the_eval_stage_measures_the_final_rl_policy(job, tmp_path):
 
 def test_only_the_drafter_changes(job):
   _, workdir, config = job
-  summary = mtp.read_summary(workdir)
+  summary = lineage.read_summary(workdir, "mtp")
   assert {"alpha_1", "tv_1", "kl_1", "ce_1", "expected_accepted_length"} <= set(
       summary["metrics"])
   _, sft_params = lineage.restore_policy(config, workdir, stage="sft")
@@ -135,8 +136,8 @@ def test_the_drafter_stores_its_token_counts_for_a_reduced_draft_vocabulary(job)
   """The MTP stage stores the policy-token counts of its training rollouts; the reduced
   draft vocabulary comes from them, with the stop tokens always in."""
   _, workdir, config = job
-  summary = mtp.read_summary(workdir)
-  counts = np.load(os.path.join(mtp.stage_dir(workdir), mtp.DRAFT_COUNTS))
+  summary = lineage.read_summary(workdir, "mtp")
+  counts = np.load(os.path.join(lineage.stage_dir(workdir, "mtp"), mtp.DRAFT_COUNTS))
   assert counts.shape == (config.model.vocab_size,)
   assert int(counts.sum()) == summary["policy_tokens"]
   ids, cover = mtp.draft_vocabulary(config, workdir, 8, always=(2,))
@@ -180,7 +181,7 @@ def test_interrupted_mtp_stage_resumes_across_its_warm_start(job, tmp_path):
 
   workdir = str(tmp_path)
   summary = mtp.run(config(stop_at_step=1), workdir)
-  assert not summary["complete"] and summary["steps"] == 1 and mtp.read_summary(workdir) is None
+  assert not summary["complete"] and summary["steps"] == 1 and lineage.read_summary(workdir, "mtp") is None
   summary = mtp.run(config(), workdir)
   assert summary["complete"] and summary["steps"] == 2 and summary["loss"] == "tv"
   assert summary["schedule"] == [["kl", 1], ["tv", 2]]
@@ -197,7 +198,7 @@ def test_an_mtp_stage_with_a_reduced_draft_vocabulary(job, tmp_path):
   """mtp.draft_vocab: the drafter is trained and measured on its most frequent tokens (the
   stop tokens in), the ids are stored with it, and the RL stage drafts from them by
   default (rl.rollout.draft_vocab 0)."""
-  from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import rl as rl_stage  # pylint: disable=g-import-not-at-top
   data_dir, sft_workdir, _ = job
   c = _config(data_dir)
   c.stages = ("mtp",)
@@ -214,7 +215,7 @@ def test_an_mtp_stage_with_a_reduced_draft_vocabulary(job, tmp_path):
   timing = json.load(open(os.path.join(workdir, "timing.json")))
   assert timing["sft_s"] == timing["earlier_s"] == 12.5 and timing["mtp_s"] > 0
   assert set(timing["compile"]) == {"sft", "mtp"}
-  summary = mtp.read_summary(workdir)
+  summary = lineage.read_summary(workdir, "mtp")
   ids = mtp.stored_draft_vocabulary(workdir)
   assert len(ids) == 12 and 2 in ids.tolist()  # the end of sequence can be drafted
   assert 0 < summary["draft_vocab"]["coverage_train"] <= 1
@@ -232,7 +233,7 @@ def test_an_mtp_stage_with_a_reduced_draft_vocabulary(job, tmp_path):
 
 def test_pack_rows():
   seqs = [(np.arange(1, n + 1, dtype=np.int32), np.ones(n, np.int32)) for n in (5, 3, 7, 2, 8)]
-  rows = mtp.pack_rows(seqs, 10)
+  rows = drafter.pack_rows(seqs, 10)
   assert rows["tokens"].shape[1] == 10 and len(rows["tokens"]) == 3  # 25 tokens, first fit
   for r in range(len(rows["tokens"])):
     seg = rows["segment_ids"][r]
@@ -243,15 +244,15 @@ def test_pack_rows():
       np.testing.assert_array_equal(rows["tokens"][r, idx], np.arange(1, len(idx) + 1))
   assert rows["loss_mask"].sum() == 25 and (rows["tokens"][rows["segment_ids"] == 0] == 0).all()
   # A sequence longer than a row is cut.
-  assert mtp.pack_rows([(np.ones(12, np.int32), np.ones(12, np.int32))], 10)["tokens"].shape \
+  assert drafter.pack_rows([(np.ones(12, np.int32), np.ones(12, np.int32))], 10)["tokens"].shape \
       == (1, 10)
 
 
 def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
-  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import decode_timing  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
   graphdef, state = lineage.restore_policy(config, workdir, stage="mtp")
-  rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
+  rows = decode_timing.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
                                  modes=["rejection"], max_new=16, repeats=1, num_prompts=2,
                                  split_fixed_cost=True)
   (row,) = rows
@@ -260,23 +261,23 @@ def test_decode_benchmark_splits_off_the_fixed_per_call_cost(job):
   assert row["ar_fixed_seconds"] > 0 and row["spec_fixed_seconds"] > 0
   assert row["ar_fixed_share"] == row["ar_fixed_seconds"] / row["ar_seconds"]
   assert np.isfinite(row["decode_phase_speedup"])
-  assert benchmark.format_row(row).count("|") == benchmark.header(True).split("\n")[0].count("|")
+  assert decode_timing.format_row(row).count("|") == decode_timing.header(True).split("\n")[0].count("|")
 
 
 def test_decode_benchmark_rows_per_draft_vocabulary(job):
   """A reduced draft vocabulary gets its own rows (labelled, without the full head's
   teacher-forced acceptance); the drafts it accepts are inside it."""
-  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import decode_timing  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
   graphdef, state = lineage.restore_policy(config, workdir, stage="mtp")
   ids, _ = mtp.draft_vocabulary(config, workdir, 6, always=(2,))
-  rows = benchmark.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
+  rows = decode_timing.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
                                  modes=["block"], max_new=16, repeats=1, num_prompts=2,
                                  draft_vocabs={"full": None, "6": ids})
   assert [r.get("draft_vocab") for r in rows] == ["full", "6"]
   assert rows[0]["acceptance_teacher_forced"] is not None
   assert rows[1]["acceptance_teacher_forced"] is None
-  assert "block @6" in benchmark.format_row(rows[1])
+  assert "block @6" in decode_timing.format_row(rows[1])
   s = metrics_lib.read_json(os.path.join(workdir, "summary.json"))  # the report renders them
   s["decode"]["benchmark"] = rows
   text = report.render_report(s, collections.defaultdict(lambda: "plot.png"))
@@ -290,7 +291,7 @@ def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
   from bebop_jax import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   from bebop_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import rl as rl_stage  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
   config = config_lib.validate(config.copy_and_resolve_references())
   assert rl_stage.draft_vocabulary(config, workdir) is None  # 0: the whole head

@@ -31,7 +31,7 @@ import pytest
 from bebop_jax import multihost
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.train import mtp as mtp_lib
+from bebop_jax.train import drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240  # each launch; a hung rendezvous fails the test instead of the suite
@@ -223,8 +223,8 @@ def test_sft_shards_split_each_batch_between_disjoint_readers(tiny_data_config):
 
 def test_mtp_row_shards_are_the_rows_of_the_same_batches():
   rows = {"tokens": np.arange(10 * 3, dtype=np.int32).reshape(10, 3)}
-  whole = iter(mtp_lib.train_dataset(rows, 4, seed=3))
-  parts = [iter(mtp_lib.train_dataset(rows, 4, seed=3, shard=(s, 2))) for s in range(2)]
+  whole = iter(drafter.train_dataset(rows, 4, seed=3))
+  parts = [iter(drafter.train_dataset(rows, 4, seed=3, shard=(s, 2))) for s in range(2)]
   for _ in range(5):  # past the first epoch
     got = np.concatenate([next(p)["tokens"] for p in parts])
     np.testing.assert_array_equal(got, next(whole)["tokens"])
@@ -233,7 +233,7 @@ def test_mtp_row_shards_are_the_rows_of_the_same_batches():
 def test_sharded_batches_resume_from_their_saved_position():
   rows = {"tokens": np.arange(12 * 2, dtype=np.int32).reshape(12, 2)}
   make = lambda: pipeline.process_iterator(
-      [mtp_lib.train_dataset(rows, 4, seed=1, shard=(s, 2)) for s in range(2)])
+      [drafter.train_dataset(rows, 4, seed=1, shard=(s, 2)) for s in range(2)])
   it = make()
   assert isinstance(it, pipeline.ShardedBatches)
   next(it)

@@ -105,7 +105,7 @@ def test_pack_refuses_overflow():
 def test_mtp_pack_rows_is_the_reference_packing():
   """The MTP stage's rows: sequences cut to seq_len, packed first-fit-decreasing under the
   targets cap, tokens and loss mask in place."""
-  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
+  from bebop_jax.train import drafter  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(2)
   seq_len, max_targets = 24, 32
   seqs = []
@@ -114,7 +114,7 @@ def test_mtp_pack_rows_is_the_reference_packing():
     mask = (rng.random(n) < 0.5).astype(np.int32)
     mask[0] = 0
     seqs.append((rng.integers(1, 50, n).astype(np.int32), mask))
-  out = mtp.pack_rows(seqs, seq_len, max_targets)
+  out = drafter.pack_rows(seqs, seq_len, max_targets)
   cut = [(t[:seq_len], m[:seq_len]) for t, m in seqs]
   bins = _reference_bins([len(t) for t, _ in cut], seq_len,
                          [int(np.sum(m[1:] > 0)) for _, m in cut], max_targets)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax import sharding

@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
@@ -20,10 +20,12 @@ from bebop_jax.decoding import speculative
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from experiments import rl_benchmark as bench
-from bebop_jax.rl import learner, stage
+from bebop_jax.rl import learner
+from bebop_jax.stages import rl as stage
 from bebop_jax.tasks import base
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
+from bebop_jax.stages import lineage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = model_config.preset("tiny")
@@ -201,7 +203,7 @@ def test_packed_update_batches_give_the_row_per_rollout_loss_and_gradients(aggre
 
 def _stored(workdir):
   """{group: leaves} of the RL stage's latest checkpoint, read back as stored."""
-  ckpt_dir = os.path.join(stage.stage_dir(workdir), "checkpoints")
+  ckpt_dir = os.path.join(lineage.stage_dir(workdir, "rl"), "checkpoints")
   with checkpoint_lib.Checkpointer(ckpt_dir) as ckpt:
     step = ckpt.latest_step()
   tree = ocp.StandardCheckpointer().restore(os.path.join(ckpt_dir, str(step), "state"))
@@ -375,7 +377,7 @@ def test_versions_and_the_staleness_bound_survive_a_resume(rl_source, tmp_path):
   assert not stage.run(rl_source.config(**overrides, **{"train.stop_at_step": 2}),
                        workdir)["complete"]
   config = rl_source.config(**overrides)
-  ckpt_dir = os.path.join(stage.stage_dir(workdir), "checkpoints")
+  ckpt_dir = os.path.join(lineage.stage_dir(workdir, "rl"), "checkpoints")
   fresh = lambda: iter(pipeline.rl_prompt_dataset(
       config.data, prompts_per_batch=config.rl.prompts_per_batch,
       group_size=config.rl.group_size, max_prompt_len=config.rl.max_prompt_len,

@@ -15,7 +15,7 @@ import time
 import jax
 import pytest
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.rl import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
@@ -21,7 +21,7 @@ from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.rl import algorithms, async_loop, learner
 from bebop_jax.rl import placement as placement_lib
-from bebop_jax.rl import stage
+from bebop_jax.stages import rl as stage
 from bebop_jax.train import metrics as metrics_lib
 
 CONFIG = model_config.preset("tiny")

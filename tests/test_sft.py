@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.model import model as policy_lib
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.train import sft
+from bebop_jax.stages import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,7 +132,7 @@ import os, sys, time
 import grain
 sys.path.insert(0, {tests!r})
 import test_sft
-from bebop_jax.train import sft
+from bebop_jax.stages import sft
 
 data_dir, workdir, marker = sys.argv[1:4]
 

@@ -149,7 +149,7 @@ def test_mismatched_mode_and_temperature_is_a_clear_error():
 @pytest.fixture(scope="module")
 def partly_trained():
   """The tiny model after 80 steps on noisy cyclic sequences: drafts partly right."""
-  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.losses import lm  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import optimizer, trainer  # pylint: disable=g-import-not-at-top
   model = policy_lib.Policy(model_config.preset("tiny"), rngs=nnx.Rngs(0))
@@ -205,13 +205,13 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
   assert (np.abs(online - np.asarray(tf["alpha"])) < 0.2).all()
   # The benchmark's version (rows of all batches padded to one length, scored 16 at a time)
   # gives the same sums, here from two batches of different prompt widths.
-  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import decode_timing  # pylint: disable=g-import-not-at-top
   halves = (slice(0, 20), slice(20, b))
   batches = [(np.pad(np.asarray(tokens[h]), ((0, 0), (0, 4 * i))), np.asarray(lengths[h]))
              for i, h in enumerate(halves)]
   outputs = [types.SimpleNamespace(tokens=out.tokens[h], lengths=out.lengths[h],
                                    frontier_depths=out.frontier_depths[h]) for h in halves]
-  expected_sum, visits = benchmark._teacher_forced_at_frontiers(  # pylint: disable=protected-access
+  expected_sum, visits = decode_timing._teacher_forced_at_frontiers(  # pylint: disable=protected-access
       graphdef, params_state, batches, outputs, params=params, mode=mode)
   np.testing.assert_array_equal(visits, attempted)
   np.testing.assert_allclose(expected_sum, np.asarray(tf["expected_accepted"]), rtol=1e-5)
@@ -222,13 +222,13 @@ def test_online_acceptance_matches_teacher_forced_expectation(partly_trained, mo
     np.testing.assert_allclose(np.asarray(both[mode][key]), np.asarray(tf[key]), rtol=1e-6)
   # Packed into shared rows (the MTP and RL stages' diagnostic): the same numbers from one
   # packed forward, and the same plain mean from several.
-  from bebop_jax.train import mtp as mtp_stage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.train import drafter  # pylint: disable=g-import-not-at-top
   ends = np.asarray(lengths + out.lengths)
   rows = [(np.asarray(seq[i, :ends[i]]), np.asarray(gen[i, :ends[i]])) for i in range(b)]
   from bebop_jax.data import packing  # pylint: disable=g-import-not-at-top
   assert len(packing.first_fit_decreasing(ends, 256)) <= b // 3  # rows do share sequences
   for batch_size, keys in ((b, ("alpha", "alpha_unweighted")), (2, ("alpha_unweighted",))):
-    packed = mtp_stage.teacher_forced_acceptance(
+    packed = drafter.teacher_forced_acceptance(
         graphdef, params_state, rows, temperature=1.0, modes=(mode,), batch_size=batch_size,
         pack_length=256)
     for key in keys:
@@ -264,15 +264,15 @@ def test_weights_sliced_inside_the_loop_give_the_same_generation():
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_release_compiled_unmaps_the_generated_code():
   """Each compiled loop maps hundreds of code regions; a long job must be able to drop them
-  (vm.max_map_count is 65530), which benchmark.release_compiled does."""
-  from bebop_jax.decoding import benchmark  # pylint: disable=g-import-not-at-top
+  (vm.max_map_count is 65530), which compilation.release_compiled does."""
+  from bebop_jax import compilation  # pylint: disable=g-import-not-at-top
   count = lambda: sum(1 for _ in open("/proc/self/maps"))
-  benchmark.release_compiled()
+  compilation.release_compiled()
   before = count()
   tokens, lengths = _prompts(b=2)
   jax.block_until_ready(_spec(tokens, lengths, mode="rejection", temperature=1.0, max_new=4))
   compiled = count()
-  benchmark.release_compiled()
+  compilation.release_compiled()
   assert compiled - before > 100, (before, compiled)
   assert count() - before < 0.2 * (compiled - before), (before, compiled, count())
 

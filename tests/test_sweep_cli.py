@@ -11,7 +11,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import sharding
 from bebop_jax import stages
 from experiments import sweep
@@ -85,7 +85,7 @@ def test_a_local_sweep_resumes_after_an_interruption(tmp_path):
   finished entry, resumes the second from its checkpoint, and collects both summaries."""
   cfg = tmp_path / "sweep_cfg.py"
   cfg.write_text(
-      "import os\nfrom bebop_jax import config as config_lib\n"
+      "import os\nfrom bebop_jax.stages import config as config_lib\n"
       f"def get_config(arg=None):\n"
       f"  c = config_lib.load_file({os.path.join(REPO, 'configs', 'sft_tiny.py')!r})\n"
       f"  c.data.data_dir = {str(tmp_path / 'data')!r}\n  return c\n"

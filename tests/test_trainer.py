@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import sharding
 from bebop_jax.losses import lm
 from bebop_jax.model import config as model_config

@@ -18,12 +18,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import sharding
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
-from bebop_jax.train import mtp as mtp_lib
+from bebop_jax.stages import mtp as mtp_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
 from pallas_kernels.tv_loss import api

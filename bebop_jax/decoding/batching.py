@@ -16,11 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bebop_jax.data.packing import first_fit_decreasing  # noqa: F401  (see below)
-
-# first_fit_decreasing lives in bebop_jax.data.packing; it is re-exported here only for
-# train/mtp.teacher_forced_acceptance, which still calls batching.first_fit_decreasing.
-# Drop this import once that call site uses data.packing.
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 REPLY_BUCKETS = (32, 64, 128, 256)

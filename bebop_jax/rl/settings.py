@@ -1,4 +1,4 @@
-"""Typed settings of `config.rl` (bebop_jax.settings_base): the RL stage (bebop_jax.rl.stage),
+"""Typed settings of `config.rl` (bebop_jax.settings_base): the RL stage (bebop_jax.stages.rl),
 its rollouts, its drafter, where it runs (bebop_jax.rl.placement) and asynchronous RL
 (bebop_jax.rl.async_loop)."""
 

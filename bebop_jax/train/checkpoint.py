@@ -487,17 +487,3 @@ class Checkpointer:
 def checkpoint_dir(workdir: str, stage: str) -> str:
   """Where `stage` keeps its checkpoints in `workdir`."""
   return os.path.join(workdir, stage, "checkpoints")
-
-
-# A stage's policy for inference (restore_policy and its helpers) is train/lineage.py. These
-# names resolve there for the callers not yet moved to it (train/mtp.py, eval_stage.py,
-# experiments/findings); drop this once they import bebop_jax.train.lineage.
-_MOVED_TO_LINEAGE = ("PARAM_KEYS", "initial_policy", "restore_policy", "sft_workdir",
-                     "uses_pretrained")
-
-
-def __getattr__(name: str) -> Any:
-  if name in _MOVED_TO_LINEAGE:
-    from bebop_jax.train import lineage  # pylint: disable=g-import-not-at-top
-    return getattr(lineage, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

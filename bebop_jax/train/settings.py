@@ -1,7 +1,7 @@
 """Typed settings of the training stages (bebop_jax.settings_base): a stage's optimizer
 (`OptimSettings`, bebop_jax.train.optimizer) and loop (`LoopSettings`,
-bebop_jax.train.trainer), `config.sft` (bebop_jax.train.sft) and `config.mtp`
-(bebop_jax.train.mtp)."""
+bebop_jax.train.trainer), `config.sft` (bebop_jax.stages.sft) and `config.mtp`
+(bebop_jax.stages.mtp)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class LoopSettings(Section):
 
 @dataclasses.dataclass(frozen=True)
 class SFTSettings(Section):
-  """config.sft: the SFT stage (bebop_jax.train.sft), trunk and MTP modules jointly."""
+  """config.sft: the SFT stage (bebop_jax.stages.sft), trunk and MTP modules jointly."""
   KEY = "sft"
   optim: OptimSettings = nested(lambda: OptimSettings(key="sft.optim"))
   train: LoopSettings = nested(lambda: LoopSettings(key="sft.train"))
@@ -133,7 +133,7 @@ def _depth_weights_ok(w) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MTPSettings(Section):
-  """config.mtp: the MTP stage (bebop_jax.train.mtp), the drafter trained on the frozen SFT
+  """config.mtp: the MTP stage (bebop_jax.stages.mtp), the drafter trained on the frozen SFT
   policy's rollouts."""
   KEY = "mtp"
   loss: str = choice("e2e_tv", "the drafter's loss: bebop_jax.losses.mtp.LOSSES",

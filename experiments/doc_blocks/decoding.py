@@ -71,16 +71,16 @@ def _ratio_cell(b: Block, row: Source, fmt: str = ".2f") -> str:
 
 def _protocol(rows: list[Source]) -> str:
   """Whether the rows' wall-clock ratios meet the benchmark's protocol
-  (`benchmark.meets_protocol`, recorded in each row by the benchmark)."""
+  (`decode_timing.meets_protocol`, recorded in each row by the benchmark)."""
   flags = [r.get("meets_protocol") for r in rows]
   if any(f is None for f in flags):
     return ("The JSON's rows carry one ratio per arm (each arm's best timed pass) and no interval "
-            "over passes, so they do not meet the protocol of `benchmark.meets_protocol`; "
+            "over passes, so they do not meet the protocol of `decode_timing.meets_protocol`; "
             "read them as one measurement each.")
   met = sum(bool(f.value) for f in flags)
   if met == len(flags):
-    return "Every row meets the protocol of `benchmark.meets_protocol`."
-  return (f"{met} of {len(flags)} rows meet the protocol of `benchmark.meets_protocol` "
+    return "Every row meets the protocol of `decode_timing.meets_protocol`."
+  return (f"{met} of {len(flags)} rows meet the protocol of `decode_timing.meets_protocol` "
           "(the others are one measurement each).")
 
 

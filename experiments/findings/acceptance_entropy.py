@@ -27,6 +27,7 @@ import numpy as np
 from experiments.findings import common
 from experiments.findings import rules
 from experiments.findings import stats
+from bebop_jax.stages import lineage
 
 NAME_F1, NAME_F2 = "acceptance_entropy", "greedy_vs_rejection"
 TITLE_F1 = "F1: acceptance falls as policy entropy rises"
@@ -43,8 +44,7 @@ ARM = "frozen_e2e_tv"  # the F4 arm whose steps are the RL-step points
 
 def rl_step_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   """{mode: {"entropy", "depth1", "mean", "step"}} from the steps of the RL arm ARM."""
-  from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
-  s = rl_stage.read_summary(ctx.drafter_arm(ARM))
+  s = lineage.read_summary(ctx.drafter_arm(ARM), "rl")
   out = {}
   for mode in common.MODES:
     acc = np.asarray([[np.nan if a is None else a for a in row]
@@ -59,11 +59,10 @@ def rl_step_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
 def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   """{mode: {"temperature", "entropy", "depth1", "mean"}}: one point per temperature."""
   from bebop_jax.decoding import batching, diagnostics, sampling  # pylint: disable=g-import-not-at-top
-  from bebop_jax.train import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import mtp  # pylint: disable=g-import-not-at-top
   config = ctx.drafter_config("e2e_tv", 0)
   workdir = ctx.drafter("e2e_tv", 0)
-  graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  graphdef, params = lineage.restore_policy(config, workdir, stage="mtp")
   sequences = mtp.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
   vocab = mtp.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
   vocab = None if vocab is None else jnp.asarray(vocab)

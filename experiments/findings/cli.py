@@ -39,9 +39,9 @@ def define_flags(page: bool) -> None:
 
 
 def _prepare(workdir: str) -> None:
-  from bebop_jax import console  # pylint: disable=g-import-not-at-top
-  from bebop_jax import stages  # pylint: disable=g-import-not-at-top
-  stages.enable_compilation_cache(flags.FLAGS.compilation_cache, workdir)
+  from bebop_jax.stages import console  # pylint: disable=g-import-not-at-top
+  from bebop_jax import compilation  # pylint: disable=g-import-not-at-top
+  compilation.enable_compilation_cache(flags.FLAGS.compilation_cache, workdir)
   to_terminal = flags.FLAGS["verbosity"].present
   if not to_terminal:
     logging.get_absl_handler().setLevel(std_logging.WARNING)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Sequence
@@ -27,7 +28,8 @@ from typing import Any, Sequence
 import ml_collections
 import numpy as np
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
+from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
 from experiments.findings import rules, stats
 from experiments.findings.rules import MODES, VERDICTS  # pylint: disable=unused-import
@@ -280,10 +282,10 @@ class Context:
 
   def base(self) -> str:
     """The SFT policy every finding starts from."""
-    from bebop_jax.train import sft  # pylint: disable=g-import-not-at-top
     c = self.config()
     c.stages = ("sft",)
-    return self._run_stage("base", c, os.path.join(self.workdir, "base"), sft.read_summary)
+    return self._run_stage("base", c, os.path.join(self.workdir, "base"),
+                           functools.partial(lineage.read_summary, stage="sft"))
 
   def drafter_config(self, loss: str, seed: int, start: str = "warm"
                      ) -> ml_collections.ConfigDict:
@@ -306,12 +308,12 @@ class Context:
     """The jointly trained drafter of base/ fine-tuned with `loss` ("warm"), or a drafter
     trained with `loss` from a fresh initialisation at the same budget ("scratch"); the seed
     sets the data order (and a scratch drafter's initialisation)."""
-    from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
     self.base()
     top = "objectives" if start == "warm" else f"objectives_{start}"
     name = os.path.join(top, loss, f"seed{seed}")
     return self._run_stage(name, self.drafter_config(loss, seed, start),
-                           os.path.join(self.workdir, name), mtp.read_summary)
+                           os.path.join(self.workdir, name),
+                           functools.partial(lineage.read_summary, stage="mtp"))
 
   def drafter_arm_config(self, arm: str) -> ml_collections.ConfigDict:
     """The RL stage of `drafter_arm(arm)`: from the seed-0 drafter of its loss, its drafter
@@ -335,7 +337,7 @@ class Context:
 
   def drafter_arm(self, arm: str) -> str:
     """The RL stage of one F4 arm (DRAFTER_ARMS), from the seed-0 drafter of its loss."""
-    from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
     c = self.drafter_arm_config(arm)
     name = os.path.join("through_rl", arm)
-    return self._run_stage(name, c, os.path.join(self.workdir, name), rl_stage.read_summary)
+    return self._run_stage(name, c, os.path.join(self.workdir, name),
+                           functools.partial(lineage.read_summary, stage="rl"))

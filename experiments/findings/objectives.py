@@ -19,6 +19,7 @@ import numpy as np
 from experiments.findings import common
 from experiments.findings import rules
 from experiments.findings import stats
+from bebop_jax.stages import lineage
 
 NAME = "objectives"
 TITLE = "F3: the drafter's training objective"
@@ -32,11 +33,10 @@ def collect(ctx: common.Context, start: str = "warm") -> list[dict]:
   """One row per (loss, seed, mode, task incl. "all") of the drafters of one start
   (common.Context.drafter): acceptance per depth, tokens per target forward, pass@1 (tasks
   only)."""
-  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
   rows = []
   for loss in LOSSES:
     for seed in range(ctx.scale.seeds):
-      s = mtp.read_summary(ctx.drafter(loss, seed, start))
+      s = lineage.read_summary(ctx.drafter(loss, seed, start), "mtp")
       for mode, ev in s["after"]["online"].items():
         rows.append({"loss": loss, "seed": seed, "mode": mode, "task": "all",
                      "acceptance": ev["acceptance"],

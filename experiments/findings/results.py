@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from bebop_jax.decoding import benchmark
+from bebop_jax import compilation
 from experiments.findings import acceptance_entropy, common, objectives, speedup, through_rl
 
 # Script name -> the function that makes its findings, in the order they depend on each other
@@ -48,7 +48,7 @@ def run_findings(ctx: common.Context, names: Sequence[str] = tuple(FINDINGS)
         print(f"[{f.name}] {f.verdict}: {f.reason}")
         out.append(f)
       if ctx.scale.release_compiled:
-        benchmark.release_compiled()
+        compilation.release_compiled()
   return out
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from experiments import rl_benchmark
 from experiments.findings import common
 from experiments.findings import rules
+from bebop_jax.stages import lineage
 
 NAME = "speedup"
 TITLE = "Speedup: speculative and async RL steps"
@@ -37,8 +38,7 @@ def measure(ctx: common.Context) -> dict:
                                  eval_every=s.bench_steps, eval_examples=s.bench_eval_examples,
                                  max_staleness=1, split=split)
   workdir = os.path.join(ctx.workdir, "speedup")
-  from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
-  pending = [a for a in rl_benchmark.ARMS if rl_stage.read_summary(os.path.join(workdir, a)) is None]
+  pending = [a for a in rl_benchmark.ARMS if lineage.read_summary(os.path.join(workdir, a), "rl") is None]
   start = time.perf_counter()
   result = rl_benchmark.run_arms(config, workdir, rl_benchmark.ARMS, split=split, warmup=s.bench_warmup,
                              block_steps=s.bench_block_steps)

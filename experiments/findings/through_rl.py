@@ -23,6 +23,7 @@ import numpy as np
 from experiments.findings import common
 from experiments.findings import rules
 from experiments.findings import stats
+from bebop_jax.stages import lineage
 
 NAME = "through_rl"
 TITLE = "F4: MTP acceptance through RL"
@@ -46,12 +47,12 @@ def collect(ctx: common.Context) -> dict[str, dict]:
   """Per arm: logged steps, per-step teacher-forced acceptance per mode and depth, entropy,
   held-out acceptance by step, the median seconds per step, and the mean seconds of the MTP
   updates per step (a periodic update lands on one step in `every`)."""
-  from bebop_jax.rl import stage as rl_stage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import rl as rl_stage  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   out = {}
   for arm in ctx.scale.drafter_arms:
     workdir = ctx.drafter_arm(arm)
-    s = rl_stage.read_summary(workdir)
+    s = lineage.read_summary(workdir, "rl")
     records = sorted(metrics_lib.read_metrics(workdir, rl_stage.STAGE), key=lambda r: r["step"])
     out[arm] = {
         "steps": s["logged_steps"],

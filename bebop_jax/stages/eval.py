@@ -8,14 +8,14 @@ the MTP stage's policy and drafter. Measured or gathered here:
     the "before RL" figures beside it; without RL, the MTP stage's evaluation of its drafter;
   - wall-clock speed of speculative against autoregressive decoding on the same held-out
     prompts at each `report.batch_sizes`, at mtp.temperature, for each mtp.eval_modes
-    (bebop_jax.decoding.benchmark, which also checks online against teacher-forced
+    (bebop_jax.stages.decode_timing, which also checks online against teacher-forced
     acceptance at the visited frontiers);
   - teacher-forced acceptance per depth, and acceptance against target entropy: per-position
     depth-1 acceptance and target entropy over held-out rollouts of the measured policy at
     each `report.entropy_temperatures` (the temperature raises the policy's entropy), with a
     least-squares line per mode. The MTP stage's cached held-out rollouts serve its policy;
     a policy RL changed is sampled afresh on the same prompts and settings.
-bebop_jax.report renders the result: <workdir>/summary.json, plots/*.png and report.md.
+bebop_jax.stages.report renders the result: <workdir>/summary.json, plots/*.png and report.md.
 """
 
 from __future__ import annotations
@@ -30,19 +30,16 @@ import ml_collections
 import numpy as np
 
 from bebop_jax import multihost
-from bebop_jax import report
-from bebop_jax.decoding import adaptive, batching, benchmark, diagnostics, sampling
-from bebop_jax.rl import stage as rl_stage
-from bebop_jax.train import checkpoint as checkpoint_lib
+from bebop_jax.stages import report
+from bebop_jax.decoding import adaptive, batching, diagnostics, sampling
+from bebop_jax.stages import decode_timing
 from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.train import mtp, sft
+from bebop_jax.stages import mtp
+from bebop_jax.train import drafter
+from bebop_jax.stages import lineage
 
 STAGE = "eval"
 TIMING_FILE = "timing.json"
-
-
-def read_summary(workdir: str) -> dict[str, Any] | None:
-  return metrics_lib.read_json(os.path.join(workdir, "summary.json"))
 
 
 def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -90,31 +87,32 @@ def policy_to_measure(config: ml_collections.ConfigDict, workdir: str
   """(graphdef, parameters, {"stage", "step"}) of the policy the job ends with: the RL
   stage's final checkpoint when that stage completed in `workdir` (its drafter is the MTP
   modules in those parameters, frozen or updated), else the MTP stage's policy."""
-  rl_summary = rl_stage.read_summary(workdir)
+  rl_summary = lineage.read_summary(workdir, "rl")
   if rl_summary is not None:
     step = int(rl_summary["steps"])
-    graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="rl", step=step)
+    graphdef, params = lineage.restore_policy(config, workdir, stage="rl", step=step)
     return graphdef, params, {"stage": "rl", "step": step}
-  mtp_summary = mtp.read_summary(workdir)
+  mtp_summary = lineage.read_summary(workdir, "mtp")
   if mtp_summary is None:
     raise FileNotFoundError(f"the eval stage needs a completed MTP stage in {workdir}")
-  graphdef, params = checkpoint_lib.restore_policy(config, workdir, stage="mtp")
+  graphdef, params = lineage.restore_policy(config, workdir, stage="mtp")
   return graphdef, params, {"stage": "mtp", "step": int(mtp_summary["steps"])}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Measures, writes summary.json, plots and report.md; skipped when summary.json exists."""
-  done = read_summary(workdir)
+  done = lineage.read_summary(workdir, "eval")
   if done is not None:
     print(f"[eval] complete: {os.path.join(workdir, 'summary.json')} (report.md): skipping")
     return done
   start, compiles = time.perf_counter(), metrics_lib.compile_stats()
-  sft_summary = sft.read_summary(workdir) or sft.read_summary(mtp.sft_workdir(config, workdir))
-  mtp_summary = mtp.read_summary(workdir)
+  sft_summary = lineage.read_summary(workdir, "sft") or lineage.read_summary(
+      lineage.sft_workdir(config, workdir), "sft")
+  mtp_summary = lineage.read_summary(workdir, "mtp")
   if mtp_summary is None:
     raise FileNotFoundError(f"the eval stage needs a completed MTP stage in {workdir}")
   graphdef, params, policy = policy_to_measure(config, workdir)
-  rl_summary = rl_stage.read_summary(workdir) if policy["stage"] == "rl" else None
+  rl_summary = lineage.read_summary(workdir, "rl") if policy["stage"] == "rl" else None
   print(f"[eval] measuring the {policy['stage']} stage's policy (step {policy['step']})")
   r, m = config.report, config.mtp
   modes = tuple(m.eval_modes)
@@ -124,7 +122,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # Decode speed against autoregressive decoding, same prompts, same process.
   progress = bar(len(r.batch_sizes), "decode speed", "batch size")
   vocab = mtp.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
-  rows = benchmark.run_benchmark(
+  rows = decode_timing.run_benchmark(
       config, graphdef, params, batch_sizes=tuple(r.batch_sizes), temperatures=[m.temperature],
       modes=list(modes), max_new=config.eval.max_new_tokens, repeats=r.repeats,
       num_prompts=r.num_prompts,
@@ -177,7 +175,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 "temperature": config.rl.rollout.temperature,
                 "accuracy_before_rl": rl_summary["pass_at_1_before"],
                 "accuracy_se_before_rl": rl_summary["pass_at_1_se_before"]}
-    teacher_forced = mtp.teacher_forced_acceptance(
+    teacher_forced = drafter.teacher_forced_acceptance(
         graphdef, params, sequences, temperature=m.temperature, modes=rl_modes,
         batch_size=config.eval.batch_size, buckets=tuple(config.eval.prompt_buckets),
         draft_vocab=vocab)
@@ -239,7 +237,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 
 def _adaptive_summary(rows: list[dict], mode: str) -> dict[str, Any]:
-  """The adaptive rows of `mode` (benchmark.run_benchmark with adaptive settings): their
+  """The adaptive rows of `mode` (decode_timing.run_benchmark with adaptive settings): their
   speed ratio, the iterations run with each K per batch size and the cost table; {} when
   there are none."""
   rows = [r for r in rows if r.get("k") == "adaptive" and r["mode"] == mode]

@@ -49,7 +49,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax import evaluation
 from bebop_jax import multihost
 from bebop_jax import rollout
@@ -61,21 +61,12 @@ from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
 from bebop_jax.rl import placement as placement_lib
 from bebop_jax.train import checkpoint as checkpoint_lib
-from bebop_jax.train import lineage
+from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.train import mtp as mtp_stage
-from bebop_jax.train import sft
+from bebop_jax.stages import mtp as mtp_stage
+from bebop_jax.train import drafter
 
 STAGE = "rl"
-
-
-def stage_dir(workdir: str) -> str:
-  return os.path.join(workdir, STAGE)
-
-
-def read_summary(workdir: str) -> dict[str, Any] | None:
-  """The completed stage's summary, or None."""
-  return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
 
 
 def feedworkdir(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -88,11 +79,11 @@ def load_initial_policy(config: ml_collections.ConfigDict, workdir: str
   """(graphdef, parameters, which stage) the RL stage starts from: the MTP stage's policy
   and drafter when it completed in the source workdir, else the SFT policy."""
   source = feedworkdir(config, workdir)
-  if mtp_stage.read_summary(source) is not None:
+  if lineage.read_summary(source, "mtp") is not None:
     graphdef, params = lineage.restore_policy(config, source, stage="mtp")
     return graphdef, params, "mtp"
   sft_source = lineage.sft_workdir(config, source)
-  if sft.read_summary(sft_source) is not None:
+  if lineage.read_summary(sft_source, "sft") is not None:
     graphdef, params = lineage.restore_policy(config, sft_source, stage="sft")
     return graphdef, params, "sft"
   raise FileNotFoundError(f"the RL stage needs a completed SFT (and ideally MTP) stage in "
@@ -113,7 +104,7 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
       return None
     print(f"[rl] draft vocabulary: the drafter's {len(ids)} tokens")
     return tuple(int(i) for i in ids)
-  if mtp_stage.read_summary(source) is None:
+  if lineage.read_summary(source, "mtp") is None:
     raise FileNotFoundError(f"rl.rollout.draft_vocab={size} needs the drafter's token "
                             f"counts: no completed MTP stage in {source}")
   tok = tokenizer_lib.for_data(config.data)
@@ -130,7 +121,7 @@ def drafter_acceptance(config: ml_collections.ConfigDict, workdir: str
   estimate; {} without a completed MTP stage or with adaptive decoding off."""
   if not config.decoding.adaptive.enabled:
     return {}
-  summary = mtp_stage.read_summary(feedworkdir(config, workdir)) or {}
+  summary = lineage.read_summary(feedworkdir(config, workdir), "mtp") or {}
   return {m: tuple(float(a) for a in acc)
           for m, acc in summary.get("acceptance_teacher_forced_by_mode", {}).items()}
 
@@ -212,7 +203,7 @@ def _teacher_forced(graphdef, params, rollouts: rollout.Rollouts, modes, tempera
   when given."""
   if not modes:
     return {}
-  return mtp_stage.teacher_forced_acceptance(
+  return drafter.teacher_forced_acceptance(
       graphdef, params, rollouts.sequences(), temperature=temperature, modes=modes,
       batch_size=batch_size, pack_length=pack_length, draft_vocab=draft_vocab)
 
@@ -243,9 +234,9 @@ def _batch_metrics(rollouts: rollout.Rollouts, group_size: int) -> dict[str, flo
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) the RL stage; returns its summary."""
-  done = read_summary(workdir)
+  done = lineage.read_summary(workdir, "rl")
   if done is not None:
-    print(f"[rl] complete in {stage_dir(workdir)} ({done['steps']} steps): skipping")
+    print(f"[rl] complete in {lineage.stage_dir(workdir, 'rl')} ({done['steps']} steps): skipping")
     return done
   c = config.rl
   asynchronous = c.asynchronous
@@ -255,7 +246,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     raise config_lib.ConfigError(
         f"rl.asynchronous.enabled=True needs one process; this run has "
         f"{multihost.process_count()}: use the synchronous loop")
-  os.makedirs(stage_dir(workdir), exist_ok=True)
+  os.makedirs(lineage.stage_dir(workdir, "rl"), exist_ok=True)
   stage_start = time.perf_counter()
   place = placement_lib.make_placement(config)
   graphdef, params0, source = load_initial_policy(config, workdir)
@@ -300,7 +291,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     # With several processes, process 0 evaluates and tells the others.
     return multihost.on_primary(evaluate_newest, "rl_eval")
 
-  evals_path = os.path.join(stage_dir(workdir), "evals.json")
+  evals_path = os.path.join(lineage.stage_dir(workdir, "rl"), "evals.json")
   evals = {k: v for k, v in (metrics_lib.read_json(evals_path) or {}).items()
            if int(k) <= start_step}
   if "0" not in evals:
@@ -381,7 +372,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   summary = multihost.on_primary(lambda: _summary(config, workdir, evals, num_steps, source,
                                                   seconds, learn.compile_seconds),
                                  "rl_summary")
-  metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  metrics_lib.write_json_atomic(os.path.join(lineage.stage_dir(workdir, "rl"), "summary.json"), summary)
   print(f"[rl] done: {_describe_eval(evals[str(num_steps)])}")
   print(f"[rl] {_describe_timing(summary)}")
   return summary

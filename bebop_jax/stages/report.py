@@ -1,6 +1,6 @@
 """The eval stage's pages: report.md, plots/*.png, the headline and the closing table.
 
-Rendering only: bebop_jax.eval_stage measures the policy the job ends with and assembles the
+Rendering only: bebop_jax.stages.eval measures the policy the job ends with and assembles the
 summary (the dict written to <workdir>/summary.json, keys in docs/main_job.md); the
 functions here turn that dict into text and figures and compute nothing of their own.
 """

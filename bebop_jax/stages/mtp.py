@@ -26,14 +26,12 @@ Workdir layout: <workdir>/mtp/checkpoints (orbax: MTP parameters, optimizer, dat
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import time
 from typing import Any, Sequence
 
-import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -46,10 +44,9 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import drafter_store as drafter_store_lib
-from bebop_jax.data import packing
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import batching, diagnostics, sampling
+from bebop_jax.decoding import diagnostics
 from bebop_jax.decoding import draft_vocab as draft_vocab_lib
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model import drafter_init
@@ -59,84 +56,16 @@ from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import flops as flops_lib
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
-from bebop_jax.train import sft
+from bebop_jax.train import drafter
 from bebop_jax.train import trainer
+from bebop_jax.stages import lineage
 
 STAGE = "mtp"
 
 
-def stage_dir(workdir: str) -> str:
-  return os.path.join(workdir, STAGE)
-
-
-def read_summary(workdir: str) -> dict[str, Any] | None:
-  """The completed stage's summary, or None."""
-  return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
-
-
-sft_workdir = checkpoint_lib.sft_workdir  # where the policy the drafter is for was trained
 
 
 # ----------------------------------------------------------------------------- rollouts
-
-
-def sample_rollouts(graphdef: nnx.GraphDef, params: nnx.State,
-                    examples: dict[str, Sequence[tasks_lib.Example]],
-                    task_objs: dict[str, tasks_lib.Task], rng: jax.Array,
-                    settings: rollout.RolloutSettings, *,
-                    tokenizer: tokenizer_lib.BaseTokenizer, progress: bool = False,
-                    desc: str = f"[{STAGE}] rollouts") -> dict[str, rollout.Rollouts]:
-  """{task: one rollout per example} from the rollout engine, with `tokenizer` (`progress`:
-  a bar with an ETA titled `desc`, a step per task)."""
-  engine = rollout.JaxEngine(graphdef, params, task_objs, settings, tokenizer=tokenizer)
-  bar = metrics_lib.Progress(sum(len(e) for e in examples.values()), 0, desc,
-                             disable=not progress, unit="prompt")
-  out = {}
-  for name, exs in examples.items():
-    rng, key = jax.random.split(rng)
-    out[name] = engine.generate(exs, key)
-    bar.update(len(exs))
-  bar.close()
-  return out
-
-
-def pack_rows(sequences: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int,
-              max_targets: int | None = None) -> dict[str, np.ndarray]:
-  """First-fit-decreasing packing (data.packing) of (tokens, loss_mask) sequences into rows
-  [R, seq_len] with segment ids (1, 2, ... per sequence; 0 = padding) and per-sequence
-  positions. Longer sequences are cut to seq_len. With `max_targets`, no row holds more than
-  that many loss targets, and "rows" [R, max_targets] lists the rows' target rows
-  (losses.mtp.loss_rows: where the MTP head runs)."""
-  cut, lengths, bins = _bins(sequences, seq_len, max_targets)
-  out = packing.pack({"tokens": [t for t, _ in cut], "loss_mask": [m for _, m in cut]},
-                     lengths, bins, len(bins), seq_len,
-                     {"tokens": np.int32, "loss_mask": np.int32})
-  if max_targets is not None:
-    out["rows"] = mtp_losses.loss_rows(out["loss_mask"], max_targets)
-  return out
-
-
-def _bins(sequences, seq_len: int, max_targets: int | None):
-  """(sequences cut to seq_len, their lengths, first-fit-decreasing bins): `pack_rows`'
-  placement."""
-  cut = [(np.asarray(t[:seq_len]), np.asarray(m[:seq_len])) for t, m in sequences]
-  lengths = np.array([len(t) for t, _ in cut])
-  targets = None if max_targets is None else np.array(
-      [int(np.sum(np.asarray(m[1:]) > 0)) for _, m in cut])
-  return cut, lengths, packing.first_fit_decreasing(lengths, seq_len, targets, max_targets)
-
-
-def pack_hidden(hidden: Sequence[np.ndarray], sequences, seq_len: int,
-                max_targets: int | None = None) -> np.ndarray:
-  """[R, seq_len, E] float32: per-sequence features `hidden` ([len, E] each, e.g. the h0
-  decoding kept, Rollouts.hidden) placed where `pack_rows(sequences, seq_len, max_targets)`
-  puts their sequences (0 on padding)."""
-  _, lengths, bins = _bins(sequences, seq_len, max_targets)
-  for i, n in enumerate(lengths):
-    if len(hidden[i]) < n:
-      raise ValueError(f"sequence {i} has {n} tokens but {len(hidden[i])} feature rows")
-  return packing.pack({"hidden": hidden}, lengths, bins, len(bins), seq_len,
-                      {"hidden": np.float32})["hidden"]
 
 
 def store_key(config: ml_collections.ConfigDict) -> str:
@@ -156,7 +85,7 @@ def drafter_store(config: ml_collections.ConfigDict, workdir: str) -> drafter_st
   """The store of the drafter dataset of the policy the MTP stage of `workdir` trains for:
   <sft workdir>/drafter_data/<store_key>, shared by every objective and seed."""
   return drafter_store_lib.DrafterStore(
-      os.path.join(sft_workdir(config, workdir), "drafter_data", store_key(config)))
+      os.path.join(lineage.sft_workdir(config, workdir), "drafter_data", store_key(config)))
 
 
 def _examples(config, split: str, per_task: dict[str, int]) -> dict[str, list]:
@@ -188,7 +117,7 @@ def policy_rollouts(config: ml_collections.ConfigDict, graphdef, params, split: 
     return_hidden = engine == "autoregressive"
   m = config.mtp
   task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task}
-  return sample_rollouts(
+  return drafter.sample_rollouts(
       graphdef, params, _examples(config, split, per_task), task_objs,
       jax.random.key(config.seed + (17 if split == "train" else 29)),
       evaluation.settings(config, engine=engine, temperature=m.temperature, top_k=0,
@@ -239,159 +168,7 @@ def heldout_sequences(config: ml_collections.ConfigDict, workdir: str, graphdef,
 # ----------------------------------------------------------------------------- features
 
 
-def trunk_features(graphdef: nnx.GraphDef, params: nnx.State, rows: dict[str, np.ndarray],
-                   batch_size: int, progress: bool = False) -> np.ndarray:
-  """[R, T, E] float32: the main model's h0 over packed rows (tokens, positions,
-  segment_ids), `batch_size` rows per forward: what the frozen trunk gives the drafter's
-  training step (Policy.__call__'s `hidden=`)."""
-  fn = _trunk_hidden(graphdef)
-  n, t = rows["tokens"].shape
-  out = None
-  bar = metrics_lib.Progress(n, 0, f"[{STAGE}] trunk features", disable=not progress,
-                             unit="row")
-  for first in range(0, n, batch_size):
-    take = {k: rows[k][first:first + batch_size] for k in ("tokens", "positions",
-                                                            "segment_ids")}
-    got = len(take["tokens"])
-    if got < batch_size:  # one shape: pad the last batch with empty rows
-      take = {k: np.pad(v, ((0, batch_size - got), (0, 0))) for k, v in take.items()}
-    h = np.asarray(jax.device_get(fn(params, take["tokens"], take["positions"],
-                                     take["segment_ids"])))[:got]
-    if out is None:
-      out = np.zeros((n, t, h.shape[-1]), np.float32)
-    out[first:first + got] = h
-    bar.update(got)
-  bar.close()
-  return out
-
-
-@functools.lru_cache(maxsize=8)
-def _trunk_hidden(graphdef: nnx.GraphDef):
-  @jax.jit
-  def fn(params, tokens, positions, segment_ids):
-    out = nnx.merge(graphdef, params)(tokens, positions, segment_ids, num_draft_steps=0,
-                                      logits=False, frozen_layers=True)
-    return out["hidden"].astype(jnp.float32)
-  return fn
-
-
-def _features_name(split: str, rows: dict[str, np.ndarray]) -> str:
-  """A cache name for the trunk features of exactly these packed rows."""
-  digest = hashlib.sha256()
-  for k in ("tokens", "positions", "segment_ids"):
-    digest.update(np.ascontiguousarray(rows[k]).tobytes())
-  return f"{split}_{rows['tokens'].shape[1]}_{digest.hexdigest()[:12]}"
-
-
-def cached_features(store: drafter_store_lib.DrafterStore, split: str,
-                    rows: dict[str, np.ndarray], graphdef, params, batch_size: int,
-                    progress: bool = False, packed: np.ndarray | None = None
-                    ) -> tuple[np.ndarray, str]:
-  """(the trunk features of `rows` from the store, memory-mapped; where they came from:
-  "stored", "decoding" or "forward") stored first when absent: `packed` (the features
-  decoding kept, `pack_hidden`) when given, else a trunk forward over the rows. Keyed by
-  the rows' contents: the policy is the store's."""
-  name = _features_name(split, rows)
-  if store.has_features(name):
-    return store.features(name), "stored"
-  source = "decoding" if packed is not None else "forward"
-  if packed is None:
-    packed = trunk_features(graphdef, params, rows, batch_size, progress)
-  store.write_features(name, packed)
-  return store.features(name), source
-
-
-class _Rows:
-  """A grain source over packed rows (`features`: an [R, T, E] array, e.g. memory-mapped,
-  given as each row's "hidden")."""
-
-  def __init__(self, rows: dict[str, np.ndarray], features: np.ndarray | None = None):
-    self.rows = rows
-    self.features = features
-
-  def __len__(self):
-    return len(self.rows["tokens"])
-
-  def __getitem__(self, i):
-    item = {k: v[i] for k, v in self.rows.items()}
-    if self.features is not None:
-      item["hidden"] = np.asarray(self.features[i], np.float32)
-    return item
-
-
-class _ShardOfBatches:
-  """Shard s of S of a stream read in batches of `batch_size`: its element j is element
-  (j // m) * batch_size + s * m + j % m of `ds` (m = batch_size / S), so shard s's batches
-  of m are the s-th m rows of every batch of the whole stream."""
-
-  def __init__(self, ds: grain.MapDataset, batch_size: int, shard: tuple[int, int]):
-    self.ds, (self.index, self.count) = ds, shard
-    if batch_size % self.count:
-      raise ValueError(f"mtp.batch_size={batch_size} does not split into {self.count} shards")
-    self.rows, self.batch_size = batch_size // self.count, batch_size
-
-  def __len__(self):
-    return len(self.ds) // self.count
-
-  def __getitem__(self, j):
-    j = int(j)
-    return self.ds[(j // self.rows) * self.batch_size + self.index * self.rows + j % self.rows]
-
-
-def train_dataset(rows: dict[str, np.ndarray], batch_size: int, seed: int,
-                  features: np.ndarray | None = None, shard: tuple[int, int] = (0, 1)
-                  ) -> grain.IterDataset:
-  """Endless shuffled batches of packed rows, with their trunk features when given
-  (checkpointable iterator). `shard` = (s, S): the s-th batch_size / S rows of each of
-  those batches (a process reads only its rows; the global batches do not depend on S)."""
-  if not len(rows["tokens"]):
-    raise ValueError("no self-distillation data; raise mtp.data.num_prompts")
-  ds = grain.MapDataset.source(_Rows(rows, features)).shuffle(seed=seed).repeat()
-  if shard[1] > 1:
-    ds = grain.MapDataset.source(_ShardOfBatches(ds, batch_size, shard))
-  return (ds.batch(batch_size // shard[1], drop_remainder=True)
-          .to_iter_dataset(pipeline.READ_OPTIONS))
-
-
 # ----------------------------------------------------------------------------- evaluation
-
-
-def teacher_forced_acceptance(graphdef, params, sequences, *, temperature: float,
-                              modes: Sequence[str], batch_size: int = 64,
-                              buckets: Sequence[int] = batching.PROMPT_BUCKETS,
-                              pack_length: int | None = None,
-                              draft_vocab: Sequence[int] | None = None
-                              ) -> dict[str, dict[str, list[float]]]:
-  """Per mode: per-depth acceptance over the policy tokens of held-out rollouts, plain
-  ("alpha_unweighted") and weighted by the probability of reaching the depth ("alpha"), and
-  the positions each depth was scored at ("positions": the weights that combine results of
-  several calls, as this function combines its batches).
-
-  The sequences are packed (first-fit-decreasing, each its own segment) into rows of
-  `pack_length` positions (default: the bucket that holds the longest), up to `batch_size`
-  rows per forward."""
-  params_s = sampling.SamplingParams(temperature=temperature)
-  lengths = np.asarray([len(t) for t, _ in sequences])
-  length = pack_length or batching.bucket(int(lengths.max()), buckets)
-  keys = ("alpha", "alpha_unweighted")
-  sums = {mode: {k: 0.0 for k in keys} for mode in modes}
-  weights = {mode: 0.0 for mode in modes}
-  bins = batching.first_fit_decreasing(lengths, length)
-  for seq, gen, seg, pos in diagnostics.packed_batches(sequences, bins, batch_size, length):
-    out = jax.device_get(diagnostics.teacher_forced_acceptance_by_mode(
-        graphdef, params, jnp.asarray(seq), jnp.asarray(gen), jnp.asarray(seg),
-        jnp.asarray(pos), None if draft_vocab is None else jnp.asarray(draft_vocab),
-        params=params_s, modes=tuple(modes)))
-    # Combine batches by their position counts (exact for the plain mean; the weighted
-    # one is combined by positions too, a close approximation across batches).
-    for mode in modes:
-      n = np.asarray(out[mode]["positions"], float)
-      for key in keys:
-        sums[mode][key] = sums[mode][key] + np.asarray(out[mode][key]) * n
-      weights[mode] = weights[mode] + n
-  return {mode: {**{k: (sums[mode][k] / np.maximum(weights[mode], 1)).tolist() for k in keys},
-                 "positions": np.asarray(weights[mode], float).tolist()}
-          for mode in modes}
 
 
 def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examples,
@@ -434,7 +211,7 @@ def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task
   """Teacher-forced acceptance on the held-out rollouts and (`online`) speculative decoding
   on the held-out prompts (`online_evaluation`), in every mtp.eval_modes."""
   modes = tuple(config.mtp.eval_modes)
-  result = {"teacher_forced": teacher_forced_acceptance(
+  result = {"teacher_forced": drafter.teacher_forced_acceptance(
       graphdef, params, heldout_sequences, temperature=config.mtp.temperature,
       modes=modes, batch_size=config.eval.batch_size,
       buckets=tuple(config.eval.prompt_buckets), draft_vocab=draft_vocab)}
@@ -442,68 +219,6 @@ def evaluate_drafter(config, graphdef, params, heldout_sequences, examples, task
     result["online"] = online_evaluation(config, graphdef, params, examples, task_objs,
                                          modes=modes, draft_vocab=draft_vocab)
   return result
-
-
-def acceptance_sums(out: dict[str, jax.Array], batch: dict[str, jax.Array], *,
-                    temperature: float, draft_vocab: jax.Array | None = None
-                    ) -> dict[str, jax.Array]:
-  """Per depth [K], sums over a batch of the drafter's rejection-sampling acceptance
-  alpha_k(i) = 1 - TV(p_{i+k}, q_i^k) at the start positions i it is drafted from online
-  (x_{i+1} and x_{i+k+1} sampled by the policy): "alpha" (sum of alpha), "weight" (count),
-  "reach_alpha" and "reach" (the same weighted by prod_{j<k} alpha_j(i), the probability
-  of reaching depth k). From the forward's fused form with the batch's loss rows, as the
-  training step computes it (`make_loss_fn`); `heldout_acceptance` divides them."""
-  terms = mtp_losses.mtp_terms(out, batch["tokens"], batch["loss_mask"],
-                               temperature=temperature, rows=batch.get("rows"),
-                               draft_vocab=draft_vocab)
-  alpha = 1.0 - terms["tv"]
-  frontier = policy_lib.shift_left(batch["loss_mask"], 1) > 0
-  mask = (terms["mask"] & frontier[None]).astype(jnp.float32)
-  reach = jnp.concatenate([jnp.ones_like(alpha[:1]), jnp.cumprod(alpha, axis=0)[:-1]])
-  total = lambda x: jnp.sum(x, axis=(1, 2))
-  return {"alpha": total(mask * alpha), "weight": total(mask),
-          "reach_alpha": total(mask * reach * alpha), "reach": total(mask * reach)}
-
-
-def heldout_acceptance(graphdef: nnx.GraphDef, rows: dict[str, np.ndarray],
-                       features: np.ndarray | None, *, batch_size: int, temperature: float,
-                       draft_vocab: np.ndarray | None = None):
-  """fn(params) -> {"alpha_k": reach-weighted, "alpha_unweighted_k", "draft_events_k"} of
-  the held-out packed `rows` (with their trunk features, or the trunk run in the forward):
-  the teacher-forced acceptance a training run tracks (`acceptance_sums`), one compiled
-  forward per batch of `batch_size` rows."""
-  @jax.jit
-  def sums(params, batch):
-    out = nnx.merge(graphdef, params)(
-        batch["tokens"], batch["positions"], batch["segment_ids"], logits=False,
-        frozen_layers=True, hidden=batch.get("hidden"))
-    return acceptance_sums(out, batch, temperature=temperature, draft_vocab=vocab)
-
-  vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
-
-  n = len(rows["tokens"])
-  batches = []
-  for first in range(0, n, batch_size):
-    idx = np.arange(first, first + batch_size)
-    batch = {k: v[np.minimum(idx, n - 1)] for k, v in rows.items()}
-    batch["loss_mask"] = np.where((idx < n)[:, None], batch["loss_mask"], 0)  # padding rows
-    if features is not None:
-      batch["hidden"] = np.asarray(features[np.minimum(idx, n - 1)], np.float32)
-    batches.append(batch)
-
-  def fn(params) -> dict[str, float]:
-    total = None
-    for batch in batches:
-      got = jax.device_get(sums(params, batch))
-      total = got if total is None else {k: total[k] + got[k] for k in total}
-    out = {}
-    for k in range(len(total["weight"])):
-      out[f"alpha_{k + 1}"] = float(total["reach_alpha"][k] / max(total["reach"][k], 1e-9))
-      out[f"alpha_unweighted_{k + 1}"] = float(total["alpha"][k] / max(total["weight"][k], 1))
-      out[f"draft_events_{k + 1}"] = float(total["weight"][k])
-    return out
-
-  return fn
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -517,12 +232,12 @@ def load_workdir_policy(config: ml_collections.ConfigDict, workdir: str | None, 
   for which "random")."""
   if which not in ("auto", "mtp", "sft", "random"):
     raise ValueError(f"which={which!r} is not allowed: one of auto, mtp, sft, random")
-  use_mtp = which == "mtp" or (which == "auto" and workdir and read_summary(workdir) is not None)
+  use_mtp = which == "mtp" or (which == "auto" and workdir and lineage.read_summary(workdir, "mtp") is not None)
   if which != "random" and workdir and use_mtp:
-    return (*checkpoint_lib.restore_policy(config, workdir, stage="mtp"),
+    return (*lineage.restore_policy(config, workdir, stage="mtp"),
             f"sft + mtp checkpoint in {workdir}")
-  if which != "random" and workdir and sft.read_summary(workdir) is not None:
-    return (*checkpoint_lib.restore_policy(config, workdir, stage="sft"),
+  if which != "random" and workdir and lineage.read_summary(workdir, "sft") is not None:
+    return (*lineage.restore_policy(config, workdir, stage="sft"),
             f"sft checkpoint in {workdir}")
   return (*policy_lib.init(ModelConfig.from_dict(config.model.to_dict()), config.seed),
           "random_init")
@@ -567,7 +282,7 @@ DRAFT_VOCAB = "draft_vocab.npy"  # the reduced vocabulary the drafter drafts fro
 
 
 def _write_draft_counts(workdir: str, counts: np.ndarray) -> None:
-  path = os.path.join(stage_dir(workdir), DRAFT_COUNTS)
+  path = os.path.join(lineage.stage_dir(workdir, "mtp"), DRAFT_COUNTS)
   tmp = path + ".tmp.npy"
   np.save(tmp, counts)
   os.replace(tmp, path)
@@ -579,9 +294,9 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str, size: int,
   drafter, its `size` most frequent policy tokens (decoding/draft_vocab.py) plus `always`
   (the stop tokens), and the share of the drafter's training tokens it covers. The counts
   are those the MTP stage stored with the drafter."""
-  path = os.path.join(stage_dir(workdir), DRAFT_COUNTS)
+  path = os.path.join(lineage.stage_dir(workdir, "mtp"), DRAFT_COUNTS)
   if not os.path.exists(path):
-    raise FileNotFoundError(f"no draft token counts in {stage_dir(workdir)} ({DRAFT_COUNTS}): "
+    raise FileNotFoundError(f"no draft token counts in {lineage.stage_dir(workdir, 'mtp')} ({DRAFT_COUNTS}): "
                             f"run the MTP stage for this workdir")
   counts = np.load(path)
   ids = draft_vocab_lib.top_tokens(counts, size, always)
@@ -589,7 +304,7 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str, size: int,
 
 
 def _stored_vocabulary_path(workdir: str) -> str:
-  return os.path.join(stage_dir(workdir), DRAFT_VOCAB)
+  return os.path.join(lineage.stage_dir(workdir, "mtp"), DRAFT_VOCAB)
 
 
 def stored_draft_vocabulary(workdir: str) -> np.ndarray | None:
@@ -618,17 +333,17 @@ def _packed_data(config, store, train_data, heldout, graphdef, params, seq_len: 
   if m.head == "fused":  # the head runs at the loss rows only: at most this many per row
     max_targets = -(-max(int(np.sum(mk[1:seq_len] > 0)) for _, mk in
                          train_data["sequences"] + heldout["sequences"]) // 8) * 8
-  rows = pack_rows(train_data["sequences"], seq_len, max_targets)
-  heldout_rows = pack_rows(heldout["sequences"], seq_len, max_targets)
+  rows = drafter.pack_rows(train_data["sequences"], seq_len, max_targets)
+  heldout_rows = drafter.pack_rows(heldout["sequences"], seq_len, max_targets)
   features = heldout_features = None
   if m.features == "cached":
     t0 = time.perf_counter()
-    packed = lambda data: (None if data.get("hidden") is None else pack_hidden(
+    packed = lambda data: (None if data.get("hidden") is None else drafter.pack_hidden(
         data["hidden"], data["sequences"], seq_len, max_targets))
-    features, source = cached_features(store, "train", rows, graphdef, params,
+    features, source = drafter.cached_features(store, "train", rows, graphdef, params,
                                        m.features_batch_size, m.train.progress,
                                        packed(train_data))
-    heldout_features, _ = cached_features(store, "test", heldout_rows, graphdef, params,
+    heldout_features, _ = drafter.cached_features(store, "test", heldout_rows, graphdef, params,
                                           m.features_batch_size, m.train.progress,
                                           packed(heldout))
     timing["features_s"] = time.perf_counter() - t0
@@ -638,20 +353,20 @@ def _packed_data(config, store, train_data, heldout, graphdef, params, seq_len: 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) the MTP stage; returns its summary."""
-  done = read_summary(workdir)
+  done = lineage.read_summary(workdir, "mtp")
   if done is not None:
-    print(f"[mtp] complete in {stage_dir(workdir)} (loss {done['loss']}): skipping")
+    print(f"[mtp] complete in {lineage.stage_dir(workdir, 'mtp')} (loss {done['loss']}): skipping")
     return done
   m = config.mtp
-  source = sft_workdir(config, workdir)
-  if sft.read_summary(source) is None and not checkpoint_lib.uses_pretrained(config, source):
+  source = lineage.sft_workdir(config, workdir)
+  if lineage.read_summary(source, "sft") is None and not lineage.uses_pretrained(config, source):
     raise FileNotFoundError(f"the MTP stage needs a completed SFT stage in {source} "
                             "(run the 'sft' stage first, set mtp.init_from, or start from "
                             "a pretrained checkpoint with sft.init_from_hf)")
-  if checkpoint_lib.uses_pretrained(config, source):
+  if lineage.uses_pretrained(config, source):
     print(f"[mtp] no SFT stage in {source}: the drafter is trained for the pretrained "
           f"policy {config.sft.init_from_hf}")
-  os.makedirs(stage_dir(workdir), exist_ok=True)
+  os.makedirs(lineage.stage_dir(workdir, "mtp"), exist_ok=True)
   stage_start = time.perf_counter()
   timing = {}
   model_cfg = ModelConfig.from_dict(config.model.to_dict())
@@ -660,7 +375,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   seq_len = m.seq_len or config.data.seq_len
 
   # The drafter dataset: the policy's rollouts, sampled once into the store.
-  graphdef0, sft_params = checkpoint_lib.restore_policy(config, source, stage="sft")
+  graphdef0, sft_params = lineage.restore_policy(config, source, stage="sft")
   store = drafter_store(config, workdir)
   t0 = time.perf_counter()
   if multihost.process_count() > 1:
@@ -721,12 +436,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         proj_init=m.proj_init, hidden_rms=hidden_rms)
   model = nnx.merge(graphdef0, params)
   graphdef, trainable, frozen = split(model, config)
-  track = heldout_acceptance(graphdef, heldout_rows, heldout_features,
+  track = drafter.heldout_acceptance(graphdef, heldout_rows, heldout_features,
                              batch_size=m.batch_size, temperature=m.temperature,
                              draft_vocab=vocab) if fused else None
   eval_fn = (lambda st: track(nnx.merge_state(st.trainable, st.frozen))) if track else None
 
-  before_path = os.path.join(stage_dir(workdir), "before.json")
+  before_path = os.path.join(lineage.stage_dir(workdir, "mtp"), "before.json")
   before = None
   if m.eval_before:
     def initial() -> tuple[dict[str, Any], float | None]:
@@ -751,7 +466,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
   # This process's shards of every batch (rows of the same global batches for any number).
   shards, local = multihost.data_shards(config.data.shards)
-  datasets = [train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed, features,
+  datasets = [drafter.train_dataset(rows, m.batch_size, config.seed + 7919 * m.seed, features,
                             shard=(s, shards)) for s in local]
   data_iter = pipeline.process_iterator(datasets)
   checkpointer = checkpoint_lib.Checkpointer(
@@ -819,7 +534,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                  policy_tokens=train_data["policy_tokens"],
                  rollout_reward=train_data["reward"],
                  rollout_seconds=train_data["seconds"])
-  metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  metrics_lib.write_json_atomic(os.path.join(lineage.stage_dir(workdir, "mtp"), "summary.json"), summary)
   print(f"[mtp] done ({m.loss}): {_describe(after)}")
   return summary
 

@@ -90,7 +90,7 @@ def override_error(argv: list[str], error: Exception) -> str:
   """The message for a `--config.<path>=<value>` that names no key of the config (or whose
   value does not parse): which override, which part of its path is missing, and the keys
   that exist there."""
-  from bebop_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import config as config_lib  # pylint: disable=g-import-not-at-top  (jax-free until used)
   config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
   overrides = [a for a in argv if a.startswith("--config.")]
   try:

@@ -34,21 +34,12 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import flops as flops_lib
-from bebop_jax.train import lineage
+from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
 
 STAGE = "sft"
-
-
-def stage_dir(workdir: str) -> str:
-  return os.path.join(workdir, STAGE)
-
-
-def read_summary(workdir: str) -> dict[str, Any] | None:
-  """The completed stage's summary, or None if the stage has not completed."""
-  return metrics_lib.read_json(os.path.join(stage_dir(workdir), "summary.json"))
 
 
 def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
@@ -123,11 +114,11 @@ def make_loss_fn(config: ml_collections.ConfigDict):
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) SFT; returns the stage summary."""
-  done = read_summary(workdir)
+  done = lineage.read_summary(workdir, "sft")
   if done is not None:
-    print(f"[sft] complete in {stage_dir(workdir)} (step {done['steps']}): skipping")
+    print(f"[sft] complete in {lineage.stage_dir(workdir, 'sft')} (step {done['steps']}): skipping")
     return done
-  os.makedirs(stage_dir(workdir), exist_ok=True)
+  os.makedirs(lineage.stage_dir(workdir, "sft"), exist_ok=True)
   s, d = config.sft, config.data
   model_cfg = ModelConfig.from_dict(config.model.to_dict())
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
@@ -185,7 +176,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   params = multihost.to_local(nnx.merge_state(state.trainable, state.frozen))
   summary["entropy"] = multihost.on_primary(lambda: policy_entropy(config, graphdef, params),
                                             "sft_entropy")
-  metrics_lib.write_json_atomic(os.path.join(stage_dir(workdir), "summary.json"), summary)
+  metrics_lib.write_json_atomic(os.path.join(lineage.stage_dir(workdir, "sft"), "summary.json"), summary)
   print(f"[sft] done: {json.dumps(summary['eval'], sort_keys=True)}")
   print("[sft] policy entropy at T=1 on held-out rollouts: " + ", ".join(
       f"{n} mean {v['mean']:.3f} nats, {v['above_threshold']:.1%} of positions above "

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from bebop_jax import multihost
+from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer, abstract_like,
                                         checkpoint_dir)
 
@@ -132,3 +133,16 @@ def _paths(state: nnx.State) -> set[tuple]:
 def _only(state: nnx.State, paths: set[tuple]) -> nnx.State:
   """The part of `state` at `paths`."""
   return state.filter(lambda path, _: tuple(path) in paths)
+
+
+def stage_dir(workdir: str, stage: str) -> str:
+  """Where `stage` keeps its files in `workdir` (checkpoints, summary.json)."""
+  return os.path.join(workdir, stage)
+
+
+def read_summary(workdir: str, stage: str) -> dict[str, Any] | None:
+  """The summary `stage` wrote in `workdir` when it completed (the eval stage's is the job's
+  <workdir>/summary.json), or None when it has not completed there."""
+  path = (os.path.join(workdir, "summary.json") if stage == "eval"
+          else os.path.join(stage_dir(workdir, stage), "summary.json"))
+  return metrics_lib.read_json(path)

@@ -9,28 +9,13 @@ from typing import Callable
 
 import ml_collections
 
-from bebop_jax import config as config_lib
+from bebop_jax.stages import config as config_lib
+from bebop_jax import compilation
 from bebop_jax import multihost
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.decoding import benchmark
 from bebop_jax.train import metrics as metrics_lib
-
-
-def enable_compilation_cache(directory: str | None, workdir: str) -> None:
-  """JAX's persistent compilation cache in `directory` (None: <workdir>/compile_cache; '':
-  none), the CLIs' --compilation_cache: every compiled program is stored there and loaded
-  instead of compiled again, by a rerun, by a resumed stage, and by a stage that compiles a
-  program an earlier one compiled and released (benchmark.release_compiled drops them
-  between phases)."""
-  if directory is None:
-    directory = os.path.join(workdir, "compile_cache")
-  if not directory:
-    return
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from bebop_jax.stages import lineage
 
 
 def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -75,27 +60,27 @@ def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def sft_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Supervised fine-tuning of the policy (bebop_jax.train.sft)."""
-  from bebop_jax.train import sft  # pylint: disable=g-import-not-at-top
+  """Supervised fine-tuning of the policy (bebop_jax.stages.sft)."""
+  from bebop_jax.stages import sft  # pylint: disable=g-import-not-at-top
   sft.run(config, workdir)
 
 
 def mtp_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """MTP drafter training on the frozen SFT policy's rollouts (bebop_jax.train.mtp)."""
-  from bebop_jax.train import mtp  # pylint: disable=g-import-not-at-top
+  """MTP drafter training on the frozen SFT policy's rollouts (bebop_jax.stages.mtp)."""
+  from bebop_jax.stages import mtp  # pylint: disable=g-import-not-at-top
   mtp.run(config, workdir)
 
 
 def rl_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """GRPO with speculative rollouts (bebop_jax.rl.stage)."""
-  from bebop_jax.rl import stage  # pylint: disable=g-import-not-at-top
+  """GRPO with speculative rollouts (bebop_jax.stages.rl)."""
+  from bebop_jax.stages import rl as stage  # pylint: disable=g-import-not-at-top
   stage.run(config, workdir)
 
 
 def eval_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
   """The policy the job ends with measured: decode speed, acceptance against entropy,
-  summary.json, plots and report.md (bebop_jax.eval_stage)."""
-  from bebop_jax import eval_stage as eval_lib  # pylint: disable=g-import-not-at-top
+  summary.json, plots and report.md (bebop_jax.stages.eval)."""
+  from bebop_jax.stages import eval as eval_lib  # pylint: disable=g-import-not-at-top
   eval_lib.run(config, workdir)
 
 
@@ -144,7 +129,7 @@ def prepare_datasets(config: ml_collections.ConfigDict) -> None:
 
 def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool = True) -> None:
   """Runs the config's stages in the canonical order. `release_compiled` drops JAX's
-  compiled programs after each stage (benchmark.release_compiled: a long job on CPU would
+  compiled programs after each stage (compilation.release_compiled: a long job on CPU would
   otherwise run out of memory maps); a caller running many small stages of one model keeps
   them, and later stages reuse the traced and compiled programs of earlier ones. Each
   stage tokenizes with the config's `data.tokenizer` (`data.tokenizer.for_data(config.data)`,
@@ -152,8 +137,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   <workdir>/timing.json gets each stage's seconds and, under "compile", the seconds of them
   spent compiling and the persistent compilation cache's hits (metrics.compile_stats); the
   times of stages an earlier invocation ran there, and this one does not, are kept."""
-  from bebop_jax import eval_stage as eval_lib  # pylint: disable=g-import-not-at-top
-  from bebop_jax import report  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import eval as eval_lib  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import report  # pylint: disable=g-import-not-at-top
   timing = {"started_at": time.time(), "compile": {}}
   # Stages an earlier invocation ran in this workdir and this one does not (a job run in
   # pieces, e.g. stages=("rl","eval") after ("sft","mtp")) keep their times; the total
@@ -171,14 +156,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
       start, compiles = time.perf_counter(), metrics_lib.compile_stats()
       STAGE_FNS[name](config, workdir)
       if release_compiled:
-        benchmark.release_compiled()  # the next stage compiles its own functions
+        compilation.release_compiled()  # the next stage compiles its own functions
       timing[f"{name}_s"] = time.perf_counter() - start
       timing["compile"][name] = metrics_lib.compile_stats(since=compiles)
       eval_lib.write_timing(workdir, timing)  # the eval stage reports the earlier stages
       # Process 0 wrote the stage's files: every process sees them before the next stage.
       multihost.barrier(f"after_{name}")
   if any(n in config.stages for n in ("sft", "mtp", "rl", "eval")):
-    summary = eval_lib.read_summary(workdir)
+    summary = lineage.read_summary(workdir, "eval")
     # A rerun that skipped finished stages keeps the times of the run that did them.
     times = (summary or {}).get("timing") or timing
     print(f"\n== {os.path.abspath(workdir)} ==\n{report.run_summary(workdir, summary, times)}")
