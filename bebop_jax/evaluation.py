@@ -20,17 +20,7 @@ import numpy as np
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data.tokenizer import BaseTokenizer
-from bebop_jax.rollout import RolloutEngine, Rollouts, RolloutSettings
-
-
-def settings(config, **overrides) -> RolloutSettings:
-  """Rollout settings of held-out evaluation from `config.eval` (temperature 1 unless
-  overridden), with `overrides` (RolloutSettings fields)."""
-  e = config.eval
-  kw = dict(temperature=1.0, top_k=e.top_k, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
-            batch_size=e.batch_size, prompt_buckets=tuple(e.prompt_buckets))
-  kw.update(overrides)
-  return RolloutSettings(**kw)
+from bebop_jax.rollout import RolloutEngine, Rollouts
 
 
 def task_rng(seed: int, task: str) -> jax.Array:

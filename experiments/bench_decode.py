@@ -54,10 +54,11 @@ from ml_collections import config_flags
 
 from bebop_jax.stages import config as config_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import adaptive
 from bebop_jax.stages import decode_timing
+from bebop_jax.stages import lineage
 from bebop_jax.stages import mtp
 from experiments import episode_benchmark
+from bebop_jax.stages import rollouts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.",
                                           lock_config=True)
@@ -112,7 +113,7 @@ def main(argv):
     if not label.isdigit():
       raise ValueError(f"--draft_vocab={label!r} is not allowed: 'full' or a size")
     tok = tokenizer_lib.for_data(config.data)
-    ids, coverage[label] = mtp.draft_vocabulary(config, _WORKDIR.value, int(label),
+    ids, coverage[label] = lineage.draft_vocabulary(_WORKDIR.value, int(label),
                                                 always=(tok.eos_id, tok.call_end_id))
     draft_vocabs[label] = ids
     print(f"draft vocabulary {label}: covers {coverage[label]:.1%} of the drafter's training "
@@ -127,7 +128,7 @@ def main(argv):
       max_new=_MAX_NEW.value, repeats=_REPEATS.value,
       num_prompts=_PROMPTS.value, split_fixed_cost=_SPLIT.value,
       draft_vocabs=draft_vocabs, draft_lengths=[int(k) for k in _LENGTHS.value],
-      adaptive_settings=adaptive.settings_from_config(config) if use_adaptive else None)
+      adaptive_settings=rollouts.adaptive_settings(config) if use_adaptive else None)
   episodes = {}
   if _EPISODES.value:
     print(f"\nmulti-turn: whole agentic episodes\n{episode_benchmark.episode_header()}")

@@ -42,6 +42,7 @@ from bebop_jax.stages import config as config_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import autoregressive, sampling, speculative
 from bebop_jax.stages import decode_timing
+from bebop_jax.stages import lineage
 from bebop_jax.stages import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/laptop.py",
@@ -219,7 +220,7 @@ def main(argv):
   # Held-out prompts padded to their buckets (a loop compiles once per bucket, before timing).
   prompts = decode_timing.prompt_batches(config, 1, _PROMPTS.value)
   p = int(np.median([t.shape[1] for t, _ in prompts]))  # the parts' prompt bucket
-  stored = (mtp.stored_draft_vocabulary(_WORKDIR.value)
+  stored = (lineage.stored_draft_vocabulary(_WORKDIR.value)
             if _WORKDIR.value and not _RANDOM.value and _DRAFT_VOCAB.value == "stored" else None)
   draft_vocab = None if stored is None else jnp.asarray(stored, jnp.int32)
   loops = loop_costs(config, graphdef, state, prompts, max_new=_NEW.value,

@@ -137,10 +137,10 @@ def test_the_drafter_stores_its_token_counts_for_a_reduced_draft_vocabulary(job)
   draft vocabulary comes from them, with the stop tokens always in."""
   _, workdir, config = job
   summary = lineage.read_summary(workdir, "mtp")
-  counts = np.load(os.path.join(lineage.stage_dir(workdir, "mtp"), mtp.DRAFT_COUNTS))
+  counts = np.load(os.path.join(lineage.stage_dir(workdir, "mtp"), lineage.DRAFT_COUNTS))
   assert counts.shape == (config.model.vocab_size,)
   assert int(counts.sum()) == summary["policy_tokens"]
-  ids, cover = mtp.draft_vocabulary(config, workdir, 8, always=(2,))
+  ids, cover = lineage.draft_vocabulary(workdir, 8, always=(2,))
   assert len(ids) == 8 and 2 in ids.tolist() and list(ids) == sorted(ids)
   top = np.argsort(-counts, kind="stable")[:7]
   assert set(top.tolist()) <= set(ids.tolist()) | {2}
@@ -216,7 +216,7 @@ def test_an_mtp_stage_with_a_reduced_draft_vocabulary(job, tmp_path):
   assert timing["sft_s"] == timing["earlier_s"] == 12.5 and timing["mtp_s"] > 0
   assert set(timing["compile"]) == {"sft", "mtp"}
   summary = lineage.read_summary(workdir, "mtp")
-  ids = mtp.stored_draft_vocabulary(workdir)
+  ids = lineage.stored_draft_vocabulary(workdir)
   assert len(ids) == 12 and 2 in ids.tolist()  # the end of sequence can be drafted
   assert 0 < summary["draft_vocab"]["coverage_train"] <= 1
   assert summary["draft_vocab"]["size"] == 12
@@ -270,7 +270,7 @@ def test_decode_benchmark_rows_per_draft_vocabulary(job):
   from bebop_jax.stages import decode_timing  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
   graphdef, state = lineage.restore_policy(config, workdir, stage="mtp")
-  ids, _ = mtp.draft_vocabulary(config, workdir, 6, always=(2,))
+  ids, _ = lineage.draft_vocabulary(workdir, 6, always=(2,))
   rows = decode_timing.run_benchmark(config, graphdef, state, batch_sizes=[2], temperatures=[1.0],
                                  modes=["block"], max_new=16, repeats=1, num_prompts=2,
                                  draft_vocabs={"full": None, "6": ids})

@@ -331,15 +331,6 @@ class Settings:
       raise ValueError(f"host_fraction={self.host_fraction} is not allowed: must be in (0, 1]")
 
 
-def settings_from_config(config) -> Settings:
-  """config.decoding.adaptive as Settings (k_max 0: model.num_draft_steps)."""
-  a = config.decoding.adaptive
-  return Settings(k_max=a.k_max or config.model.num_draft_steps, smoothing=float(a.smoothing),
-                  calibrate=a.calibrate, segment=a.segment,
-                  max_segment=max(a.segment, Settings.max_segment),
-                  batch_factor=a.batch_factor)
-
-
 def weight_read_costs(model_config, rows: Sequence[int], bucket: int, k_max: int,
                       draft_vocab_size: int | None = None) -> CostTable:
   """The cost table without calibration: decoding bound by weight reads, a verification of

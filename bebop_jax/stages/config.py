@@ -21,10 +21,10 @@ from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.settings import task_knob_defaults
-from bebop_jax.decoding import adaptive
 from bebop_jax.decoding import settings as decoding_settings
 from bebop_jax.model import config as model_config
 from bebop_jax.settings_base import ConfigError, build, fail
+from bebop_jax.stages import rollouts
 
 STAGES = settings_lib.STAGES  # stages of bebop_jax.main, run in this order
 
@@ -351,7 +351,7 @@ def settings(config: ml_collections.ConfigDict) -> settings_lib.Settings:
   a = values["decoding"]["adaptive"]
   decoding_settings.check_adaptive(a, model.num_draft_steps)
   try:
-    adaptive_settings = adaptive.settings_from_config(config)
+    adaptive_settings = rollouts.adaptive_settings(config)
   except ValueError as e:
     raise ConfigError(f"config.decoding.adaptive.{e}") from e
   decoding = decoding_settings.DecodingSettings(

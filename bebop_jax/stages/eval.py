@@ -31,12 +31,13 @@ import numpy as np
 
 from bebop_jax import multihost
 from bebop_jax.stages import report
-from bebop_jax.decoding import adaptive, batching, diagnostics, sampling
+from bebop_jax.decoding import batching, diagnostics, sampling
 from bebop_jax.stages import decode_timing
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.stages import mtp
 from bebop_jax.train import drafter
 from bebop_jax.stages import lineage
+from bebop_jax.stages import rollouts as rollouts_lib
 
 STAGE = "eval"
 TIMING_FILE = "timing.json"
@@ -121,13 +122,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   # Decode speed against autoregressive decoding, same prompts, same process.
   progress = bar(len(r.batch_sizes), "decode speed", "batch size")
-  vocab = mtp.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
+  vocab = lineage.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
   rows = decode_timing.run_benchmark(
       config, graphdef, params, batch_sizes=tuple(r.batch_sizes), temperatures=[m.temperature],
       modes=list(modes), max_new=config.eval.max_new_tokens, repeats=r.repeats,
       num_prompts=r.num_prompts,
       draft_vocabs=None if vocab is None else {str(len(vocab)): vocab},
-      adaptive_settings=(adaptive.settings_from_config(config)
+      adaptive_settings=(rollouts_lib.adaptive_settings(config)
                          if config.decoding.adaptive.enabled else None),
       on_measured=progress.update)
   progress.close()

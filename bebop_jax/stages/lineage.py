@@ -11,13 +11,15 @@ inference never builds an optimizer nor reads its state.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from bebop_jax import multihost
+from bebop_jax.decoding import draft_vocab as draft_vocab_lib
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer, abstract_like,
                                         checkpoint_dir)
@@ -146,3 +148,42 @@ def read_summary(workdir: str, stage: str) -> dict[str, Any] | None:
   path = (os.path.join(workdir, "summary.json") if stage == "eval"
           else os.path.join(stage_dir(workdir, stage), "summary.json"))
   return metrics_lib.read_json(path)
+
+
+DRAFT_COUNTS = "draft_token_counts.npy"
+
+
+DRAFT_VOCAB = "draft_vocab.npy"  # the reduced vocabulary the drafter drafts from
+
+
+def write_draft_counts(workdir: str, counts: np.ndarray) -> None:
+  path = os.path.join(stage_dir(workdir, "mtp"), DRAFT_COUNTS)
+  tmp = path + ".tmp.npy"
+  np.save(tmp, counts)
+  os.replace(tmp, path)
+
+
+def draft_vocabulary(workdir: str, size: int,
+                     always: Sequence[int] = ()) -> tuple[np.ndarray, float]:
+  """(ids [size] int32 sorted, coverage): the reduced draft vocabulary of the workdir's
+  drafter, its `size` most frequent policy tokens (decoding/draft_vocab.py) plus `always`
+  (the stop tokens), and the share of the drafter's training tokens it covers. The counts
+  are those the MTP stage stored with the drafter."""
+  path = os.path.join(stage_dir(workdir, "mtp"), DRAFT_COUNTS)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no draft token counts in {stage_dir(workdir, 'mtp')} ({DRAFT_COUNTS}): "
+                            f"run the MTP stage for this workdir")
+  counts = np.load(path)
+  ids = draft_vocab_lib.top_tokens(counts, size, always)
+  return ids, draft_vocab_lib.coverage(counts, ids)
+
+
+def stored_vocabulary_path(workdir: str) -> str:
+  return os.path.join(stage_dir(workdir, "mtp"), DRAFT_VOCAB)
+
+
+def stored_draft_vocabulary(workdir: str) -> np.ndarray | None:
+  """The reduced draft vocabulary stored with the MTP stage's drafter in `workdir` (sorted
+  int32 token ids), or None (the drafter drafts from the whole head)."""
+  path = stored_vocabulary_path(workdir)
+  return np.load(path) if os.path.exists(path) else None

@@ -59,6 +59,7 @@ from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import drafter
 from bebop_jax.train import trainer
 from bebop_jax.stages import lineage
+from bebop_jax.stages import rollouts
 
 STAGE = "mtp"
 
@@ -120,7 +121,7 @@ def policy_rollouts(config: ml_collections.ConfigDict, graphdef, params, split: 
   return drafter.sample_rollouts(
       graphdef, params, _examples(config, split, per_task), task_objs,
       jax.random.key(config.seed + (17 if split == "train" else 29)),
-      evaluation.settings(config, engine=engine, temperature=m.temperature, top_k=0,
+      rollouts.eval_settings(config, engine=engine, temperature=m.temperature, top_k=0,
                           top_p=1.0, max_new_tokens=m.data.max_new_tokens,
                           batch_size=m.data.batch_size, return_hidden=return_hidden),
       tokenizer=tokenizer_lib.for_data(config.data), progress=progress, desc=desc)
@@ -183,7 +184,7 @@ def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examp
   tok = tokenizer_lib.for_data(config.data)
   for mode in modes:
     start = time.perf_counter()
-    engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+    engine = rollout.JaxEngine(graphdef, params, task_objs, rollouts.eval_settings(
         config, temperature=config.mtp.temperature, top_k=0, top_p=1.0, mode=mode,
         draft_vocab=None if draft_vocab is None else tuple(int(i) for i in draft_vocab)),
         tokenizer=tok)
@@ -277,43 +278,6 @@ def split(model, config):
   return nnx.split(model, optimizer_lib.trainable_filter(config.mtp.optim.trainable), ...)
 
 
-DRAFT_COUNTS = "draft_token_counts.npy"
-DRAFT_VOCAB = "draft_vocab.npy"  # the reduced vocabulary the drafter drafts from
-
-
-def _write_draft_counts(workdir: str, counts: np.ndarray) -> None:
-  path = os.path.join(lineage.stage_dir(workdir, "mtp"), DRAFT_COUNTS)
-  tmp = path + ".tmp.npy"
-  np.save(tmp, counts)
-  os.replace(tmp, path)
-
-
-def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str, size: int,
-                     always: Sequence[int] = ()) -> tuple[np.ndarray, float]:
-  """(ids [size] int32 sorted, coverage): the reduced draft vocabulary of the workdir's
-  drafter, its `size` most frequent policy tokens (decoding/draft_vocab.py) plus `always`
-  (the stop tokens), and the share of the drafter's training tokens it covers. The counts
-  are those the MTP stage stored with the drafter."""
-  path = os.path.join(lineage.stage_dir(workdir, "mtp"), DRAFT_COUNTS)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"no draft token counts in {lineage.stage_dir(workdir, 'mtp')} ({DRAFT_COUNTS}): "
-                            f"run the MTP stage for this workdir")
-  counts = np.load(path)
-  ids = draft_vocab_lib.top_tokens(counts, size, always)
-  return ids, draft_vocab_lib.coverage(counts, ids)
-
-
-def _stored_vocabulary_path(workdir: str) -> str:
-  return os.path.join(lineage.stage_dir(workdir, "mtp"), DRAFT_VOCAB)
-
-
-def stored_draft_vocabulary(workdir: str) -> np.ndarray | None:
-  """The reduced draft vocabulary stored with the MTP stage's drafter in `workdir` (sorted
-  int32 token ids), or None (the drafter drafts from the whole head)."""
-  path = _stored_vocabulary_path(workdir)
-  return np.load(path) if os.path.exists(path) else None
-
-
 def _phases(config) -> list[tuple[str, int]]:
   """[(loss, last step)] of the stage's schedule: the warm start's loss for its steps, then
   mtp.loss to mtp.train.num_steps."""
@@ -398,13 +362,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                         [mk for _, mk in train_data["sequences"]],
                                         model_cfg.vocab_size)
   if multihost.is_primary():
-    _write_draft_counts(workdir, counts)
+    lineage.write_draft_counts(workdir, counts)
   vocab, vocab_info = None, {"size": 0}
   if m.draft_vocab:
     tok = tokenizer_lib.for_data(config.data)
     vocab = draft_vocab_lib.top_tokens(counts, m.draft_vocab, (tok.eos_id, tok.call_end_id))
     if multihost.is_primary():
-      np.save(_stored_vocabulary_path(workdir), vocab)
+      np.save(lineage.stored_vocabulary_path(workdir), vocab)
     heldout_counts = draft_vocab_lib.count_tokens(
         [t for t, _ in heldout["sequences"]], [mk for _, mk in heldout["sequences"]],
         model_cfg.vocab_size)

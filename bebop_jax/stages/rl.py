@@ -56,15 +56,14 @@ from bebop_jax import rollout
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import adaptive
 from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
 from bebop_jax.rl import placement as placement_lib
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.stages import mtp as mtp_stage
 from bebop_jax.train import drafter
+from bebop_jax.stages import rollouts
 
 STAGE = "rl"
 
@@ -99,7 +98,7 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
   size = config.rl.rollout.draft_vocab
   source = feedworkdir(config, workdir)
   if not size:
-    ids = mtp_stage.stored_draft_vocabulary(source)
+    ids = lineage.stored_draft_vocabulary(source)
     if ids is None:
       return None
     print(f"[rl] draft vocabulary: the drafter's {len(ids)} tokens")
@@ -108,7 +107,7 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
     raise FileNotFoundError(f"rl.rollout.draft_vocab={size} needs the drafter's token "
                             f"counts: no completed MTP stage in {source}")
   tok = tokenizer_lib.for_data(config.data)
-  ids, cover = mtp_stage.draft_vocabulary(config, source, size,
+  ids, cover = lineage.draft_vocabulary(source, size,
                                           always=(tok.eos_id, tok.call_end_id))
   print(f"[rl] draft vocabulary: {size} tokens, {cover:.1%} of the drafter's training tokens")
   return tuple(int(i) for i in ids)
@@ -124,23 +123,6 @@ def drafter_acceptance(config: ml_collections.ConfigDict, workdir: str
   summary = lineage.read_summary(feedworkdir(config, workdir), "mtp") or {}
   return {m: tuple(float(a) for a in acc)
           for m, acc in summary.get("acceptance_teacher_forced_by_mode", {}).items()}
-
-
-def rollout_settings(config: ml_collections.ConfigDict, seeds=None,
-                     **overrides) -> rollout.RolloutSettings:
-  """config.rl.rollout (and config.decoding.adaptive) as RolloutSettings; `seeds`:
-  `drafter_acceptance`'s {mode: acceptance}, the adaptive estimate's seed by mode."""
-  r = config.rl.rollout
-  kw = dict(engine=r.engine, mode=r.mode, temperature=r.temperature, top_k=r.top_k,
-            top_p=r.top_p, num_draft_steps=r.num_draft_steps or None,
-            max_new_tokens=r.max_new_tokens, batch_size=r.batch_size,
-            prompt_buckets=tuple(config.eval.prompt_buckets),
-            adaptive=(adaptive.settings_from_config(config)
-                      if config.decoding.adaptive.enabled else None))
-  kw.update(overrides)
-  if kw["adaptive"] is not None and seeds:
-    kw.setdefault("acceptance", seeds.get(kw["mode"]))
-  return rollout.RolloutSettings(**kw)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -160,7 +142,7 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
       len(config.rl.eval.modes) * sum(len(e) for e in examples.values()), 0,
       f"[{STAGE}] held-out evaluation", disable=not config.rl.train.progress, unit="prompt")
   for mode in config.rl.eval.modes:
-    engine = rollout.JaxEngine(graphdef, params, task_objs, rollout_settings(
+    engine = rollout.JaxEngine(graphdef, params, task_objs, rollouts.rl_settings(
         config, seeds, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
         draft_vocab=draft_vocab), tokenizer=tokenizer_lib.for_data(config.data))
     by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7,
@@ -412,7 +394,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
   base_key = jax.random.key(config.seed + 101)
   with store.read() as (params, version):
     engine = rollout.JaxEngine(graphdef, params, task_objs,
-                               rollout_settings(config, seeds, draft_vocab=draft_vocab),
+                               rollouts.rl_settings(config, seeds, draft_vocab=draft_vocab),
                                tokenizer=tokenizer_lib.for_data(config.data),
                                policy_version=version)
   engine.release_params()

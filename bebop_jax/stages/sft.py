@@ -38,6 +38,7 @@ from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
+from bebop_jax.stages import rollouts
 
 STAGE = "sft"
 
@@ -55,7 +56,7 @@ def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
     params = multihost.to_local(nnx.merge_state(state.trainable, state.frozen))
 
     def evaluate() -> dict[str, float]:
-      engines = {t: rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+      engines = {t: rollout.JaxEngine(graphdef, params, task_objs, rollouts.eval_settings(
           config, engine="autoregressive", temperature=t), tokenizer=tok)
                  for t in e.temperatures}
       start = time.perf_counter()
@@ -80,7 +81,7 @@ def heldout_rollouts(config: ml_collections.ConfigDict, graphdef, params, *,
   names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
   task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
   examples = {n: pipeline.eval_examples(d, n, num_examples) for n in names}
-  engine = rollout.JaxEngine(graphdef, params, task_objs, evaluation.settings(
+  engine = rollout.JaxEngine(graphdef, params, task_objs, rollouts.eval_settings(
       config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0),
       tokenizer=tokenizer_lib.for_data(d))
   return evaluation.rollouts_by_task(engine, examples, seed=seed)

@@ -64,7 +64,7 @@ def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   workdir = ctx.drafter("e2e_tv", 0)
   graphdef, params = lineage.restore_policy(config, workdir, stage="mtp")
   sequences = mtp.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
-  vocab = mtp.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
+  vocab = lineage.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
   vocab = None if vocab is None else jnp.asarray(vocab)
   length = batching.bucket(max(len(t) for t, _ in sequences), tuple(config.eval.prompt_buckets))
   out = {mode: {"temperature": [], "entropy": [], "depth1": [], "mean": []}
