@@ -6,7 +6,7 @@ dataset (mtp.data.batch_size).
       --out=docs/artifacts/smollm2_rollout_batch.json
 
 The SFT policy of --workdir samples the first --num_prompts training prompts of each task
-the way the MTP stage does (train.mtp.policy_rollouts: the stage's temperature, budget and
+the way the MTP stage does (stages.mtp.policy_rollouts: the stage's temperature, budget and
 key, autoregressively, keeping the trunk's hidden states), once per batch size after a
 warm-up call that compiles its programs. Reports policy tokens per second per batch size,
 over --repeats passes in alternating order (each pass times every batch size once), with

@@ -6,7 +6,7 @@ training tokens, for each objective, from a cold and a warm start.
       --out=docs/artifacts/smollm2_drafter_curve
 
 Every run is the config's MTP stage (stages=("mtp",)) on the drafter dataset of the SFT
-policy in --init_from, sampled once and shared (the store, train/mtp.py), with the config's
+policy in --init_from, sampled once and shared (the store, bebop_jax/stages/mtp.py), with the config's
 optimizer, batch and mtp.init, its online evaluation off, and the held-out acceptance
 measured every --eval_every steps (mtp.train.eval_every):
   cold   each objective from the initial drafter for --warm_steps + --steps steps;

@@ -325,7 +325,7 @@ def test_stages_run_tokenizes_with_the_config_tokenizer_and_leaves_nothing_behin
 
 
 def test_cached_rollouts_are_keyed_by_the_tokenizer(files):
-  """The MTP stage caches rollout token ids (train/mtp.py); the TFDS datasets hold text."""
+  """The MTP stage caches rollout token ids (bebop_jax/stages/mtp.py); the TFDS datasets hold text."""
   from bebop_jax.stages import mtp  # pylint: disable=g-import-not-at-top
   keys = {spec: mtp.store_key(_config(spec))
           for spec in ("char", files["with_markers"], files["without_markers"])}

@@ -58,7 +58,7 @@ class DecodeOutput:
   position (the completion's token j sits at prompt_length + j; undefined past the last
   token fed, e.g. at the last token itself, which no forward reads): the features a drafter
   trains on
-  (train/mtp.py), free from the forwards decoding runs anyway."""
+  (bebop_jax/train/drafter.py), free from the forwards decoding runs anyway."""
   tokens: jax.Array
   lengths: jax.Array
   policy_mask: jax.Array

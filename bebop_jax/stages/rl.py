@@ -178,7 +178,7 @@ def paired_difference(before: dict, after: dict) -> dict[str, dict[str, float]]:
 def _teacher_forced(graphdef, params, rollouts: rollout.Rollouts, modes, temperature: float,
                     batch_size: int, pack_length: int, draft_vocab=None
                     ) -> dict[str, dict[str, list[float]]]:
-  """Per mode: train.mtp.teacher_forced_acceptance of the rollouts under `params` ("alpha":
+  """Per mode: train.drafter.teacher_forced_acceptance of the rollouts under `params` ("alpha":
   per-depth acceptance weighted by the probability of reaching the depth; "positions": the
   weights that combine calls), one forward for all modes; the rollouts packed into rows of
   `pack_length` positions, `batch_size` rows per forward; the drafts from `draft_vocab`

@@ -29,7 +29,7 @@ restores onto an (8,) mesh, a (4, 2) mesh or a single device. Leaves without a s
 replicated over the mesh of the other leaves (or put on the first device when none has one).
 
 Parameters only: `Checkpointer.restore_params` reads the parameter entries of a saved state
-and nothing else (orbax's partial restore); train/lineage.restore_policy builds a stage's
+and nothing else (orbax's partial restore); stages/lineage.restore_policy builds a stage's
 whole policy from them.
 
 Typical use:
