@@ -1,4 +1,11 @@
-"""The stages `bebop_jax.main` can run, in order. Each is `fn(config, workdir) -> None`."""
+"""The stages `bebop_jax.main` can run, in order, and the runner. Each is
+`fn(config, workdir) -> None`.
+
+This package is the only reader of a ConfigDict and of a workdir: config.py (the schema and
+its validation into typed settings), sft / mtp / rl / eval (the stages), report (the eval
+stage's pages), lineage (which stage's files live where), rollouts (config -> rollout
+settings), decode_timing (the decode protocol), console (terminal output). The library
+below takes arguments and settings; nothing there imports from here."""
 
 from __future__ import annotations
 
