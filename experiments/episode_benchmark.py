@@ -13,7 +13,8 @@ from bebop_jax import tasks as tasks_lib
 from bebop_jax.compilation import release_compiled
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import multi_turn, sampling, speculative
+from bebop_jax.decoding import sampling, speculative
+from bebop_jax.rollout import episodes as episodes_lib
 
 # The autoregressive loops of `run_episode_benchmark`: with the cache kept across turns
 # (as a serving engine's prefix cache does), and re-encoding the whole context every turn.
@@ -36,7 +37,7 @@ def best_episode_times(loops: dict, environments, repeats: int) -> dict:
   """{name: (best seconds over `repeats` passes, the episodes of the last pass)}.
 
   Args:
-    loops: {name: fn(environments) -> list[multi_turn.Episode]}, each running one episode
+    loops: {name: fn(environments) -> list[episodes_lib.Episode]}, each running one episode
       per prompt, with the same prompts and key in every pass.
     environments: () -> a fresh list of environments, one per prompt (an environment keeps
       the episode's state, so every pass gets new ones, made before its timer starts).
@@ -70,9 +71,9 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
                           max_turn_tokens=None, seed=0) -> list[dict]:
   """Whole agentic episodes (tool calls answered by the environment, the policy continuing)
   with three loops on the same prompts and key: speculative episodes
-  (`multi_turn.speculative_episodes`, caches kept across turns), autoregressive episodes
+  (`episodes_lib.speculative_episodes`, caches kept across turns), autoregressive episodes
   with the cache kept across turns, and autoregressive episodes that re-encode the whole
-  context every turn (`multi_turn.autoregressive_episodes`, continuation=True / False).
+  context every turn (`episodes_lib.autoregressive_episodes`, continuation=True / False).
 
   Prompts: `agentic_examples(config, batch, num_prompts)`; environments:
   `task.environment(example)` of the agentic task with config.data's knobs; stop tokens end
@@ -136,12 +137,12 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
           max_turn_tokens=max_turn_tokens, max_turns=task.max_turns, prompt_buckets=buckets)
       loops = {
           name: (lambda envs, continuation=continuation, common=common:
-                 multi_turn.autoregressive_episodes(graphdef, state, prompts, envs, rng,
+                 episodes_lib.autoregressive_episodes(graphdef, state, prompts, envs, rng,
                                                     continuation=continuation, **common))
           for name, continuation in ((AR_CONTINUED, True), (AR_REENCODED, False))}
       for mode in (["exact"] if t == 0 else modes):
         loops[mode] = (lambda envs, mode=mode, common=common:
-                       multi_turn.speculative_episodes(graphdef, state, prompts, envs, rng,
+                       episodes_lib.speculative_episodes(graphdef, state, prompts, envs, rng,
                                                        mode=mode, **common))
       timed = best_episode_times(loops, environments, repeats)
       ar_time, ar = timed.pop(AR_CONTINUED)

@@ -11,7 +11,8 @@ import pytest
 
 from bebop_jax import rollout
 from bebop_jax.data.tokenizer import load_tokenizer
-from bebop_jax.decoding import multi_turn, sampling, speculative
+from bebop_jax.decoding import sampling, speculative
+from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.tasks import base
@@ -154,10 +155,10 @@ def test_truncated_and_emitted_tokens_of_episodes(engine):
   kw = dict(batch_size=8, max_new_tokens=12, max_turn_tokens=5, params=GREEDY,
             stop_tokens=STOP_TOKENS, row_stops=row_stops, tokenizer=load_tokenizer("char"))
   if engine == "speculative":
-    episodes = multi_turn.speculative_episodes(GRAPHDEF, STATE, prompts, envs,
+    episodes = episodes_lib.speculative_episodes(GRAPHDEF, STATE, prompts, envs,
                                                jax.random.key(0), mode="exact", **kw)
   else:
-    episodes = multi_turn.autoregressive_episodes(
+    episodes = episodes_lib.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(0),
         continuation=engine == "autoregressive", **kw)
   r = rollout.rollouts_from_episodes(episodes, prompts, [0] * len(CASES), max_new_tokens=12,

@@ -1,5 +1,5 @@
 """The multi-turn decoding benchmark (experiments/episode_benchmark.py) on a tiny random
-policy: its counts against the same episodes run directly through decoding.multi_turn."""
+policy: its counts against the same episodes run directly through rollout.episodes."""
 
 import dataclasses
 
@@ -11,7 +11,8 @@ from bebop_jax.stages import config as config_lib
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.decoding import multi_turn, sampling
+from bebop_jax.decoding import sampling
+from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.tasks import agentic, base
@@ -72,8 +73,8 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
                 stop_tokens=(tok.eos_id, tok.call_end_id), max_turns=task.max_turns, **KW)
   envs = lambda: [task.environment(ex) for ex in examples]
   key = jax.random.key(4)
-  ar = multi_turn.autoregressive_episodes(GRAPHDEF, STATE, prompts, envs(), key, **common)
-  reencoded = multi_turn.autoregressive_episodes(GRAPHDEF, STATE, prompts, envs(), key,
+  ar = episodes_lib.autoregressive_episodes(GRAPHDEF, STATE, prompts, envs(), key, **common)
+  reencoded = episodes_lib.autoregressive_episodes(GRAPHDEF, STATE, prompts, envs(), key,
                                                  continuation=False, **common)
   count = lambda episodes: sum(int(np.sum(ep.policy_mask)) for ep in episodes)
   replies = lambda episodes: sum(len(ep.tokens) for ep in episodes) - count(episodes)
@@ -82,7 +83,7 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
   assert [(a.tokens, a.policy_mask) for a in ar] == [(r.tokens, r.policy_mask)
                                                      for r in reencoded]
   for row, mode in zip(rows, modes):
-    spec = multi_turn.speculative_episodes(GRAPHDEF, STATE, prompts, envs(), key, mode=mode,
+    spec = episodes_lib.speculative_episodes(GRAPHDEF, STATE, prompts, envs(), key, mode=mode,
                                            **common)
     assert row["spec_tokens"] == count(spec) and row["spec_reply_tokens"] == replies(spec)
     assert row["ar_tokens"] == row["ar_reencoded_tokens"] == count(ar)

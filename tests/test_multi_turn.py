@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from bebop_jax.data.tokenizer import load_tokenizer
-from bebop_jax.decoding import autoregressive, multi_turn, sampling, speculative
+from bebop_jax.decoding import autoregressive, sampling, speculative
+from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 
@@ -144,12 +145,12 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
     from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
     settings = (adaptive.Settings(k_max=K, segment=1, calibrate=False, batch_factor=2)
                 if engine == "adaptive" else None)
-    episodes = multi_turn.speculative_episodes(
+    episodes = episodes_lib.speculative_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
         params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop,
         adaptive_settings=settings, adaptive_stats=stats, tokenizer=TOK, **kw)
   else:
-    episodes = multi_turn.autoregressive_episodes(
+    episodes = episodes_lib.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
         params=sampling.SamplingParams(0.0), stop_tokens=stop, prompt_buckets=(64,),
         tokenizer=TOK, **kw)
@@ -187,7 +188,7 @@ def test_episodes_compile_once_per_bucket():
     prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
     envs = [_EchoEnv("<|result|>" + "z" * (3 + i + seed) + "<|/result|>", turns=2)
             for i in range(3)]
-    return multi_turn.speculative_episodes(
+    return episodes_lib.speculative_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
         max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
         mode="rejection", stop_tokens=(tok.eos_id,), tokenizer=TOK)
@@ -269,7 +270,7 @@ def ar_episodes():
   out = {}
   for continuation in (True, False):
     envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
-    out[continuation] = (prompts, multi_turn.autoregressive_episodes(
+    out[continuation] = (prompts, episodes_lib.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(tok.eos_id,),
         continuation=continuation, tokenizer=TOK, **AR_KW), envs)
   return out
@@ -329,7 +330,7 @@ def test_autoregressive_episodes_keep_the_teacher_forced_hidden_states(ar_episod
   change. (The last token is never fed, so its h0 is not compared.)"""
   prompts, plain, _ = ar_episodes[True]
   envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
-  episodes = multi_turn.autoregressive_episodes(
+  episodes = episodes_lib.autoregressive_episodes(
       GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(TOK.eos_id,),
       return_hidden=True, tokenizer=TOK, **AR_KW)
   model = nnx.merge(GRAPHDEF, STATE)
@@ -341,7 +342,7 @@ def test_autoregressive_episodes_keep_the_teacher_forced_hidden_states(ar_episod
     h0 = np.asarray(forward(jnp.asarray(seq[None]))[0])
     np.testing.assert_allclose(ep.hidden[:-1], h0[:-1], atol=2e-5, rtol=1e-4)
   with pytest.raises(ValueError, match="continuation=True"):
-    multi_turn.autoregressive_episodes(GRAPHDEF, STATE, prompts[:1], envs[:1],
+    episodes_lib.autoregressive_episodes(GRAPHDEF, STATE, prompts[:1], envs[:1],
                                        jax.random.key(0), stop_tokens=(2,), return_hidden=True,
                                        continuation=False, tokenizer=TOK, **AR_KW)
 
@@ -353,7 +354,7 @@ def test_autoregressive_episodes_compile_once_per_bucket():
     prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
     envs = [_ScriptedEnv(["<|result|>" + "z" * (3 + i + seed) + "<|/result|>"] * (1 + i))
             for i in range(3)]
-    return multi_turn.autoregressive_episodes(
+    return episodes_lib.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
         max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
         stop_tokens=(tok.eos_id,), tokenizer=TOK)
@@ -381,7 +382,7 @@ def test_an_autoregressive_episode_does_not_depend_on_the_other_rows(continuatio
         tok.encode(p, add_bos=True) for p in others]
     envs = [_ScriptedEnv(["ok", "<|result|>12<|/result|>", "no"])] + [
         _ScriptedEnv(list(r)) for r in other_replies]
-    return multi_turn.autoregressive_episodes(
+    return episodes_lib.autoregressive_episodes(
         GRAPHDEF, STATE, prompts, envs, jax.random.key(9), batch_size=4, max_new_tokens=48,
         max_turn_tokens=10, params=sampling.SamplingParams(3.0), stop_tokens=stops,
         row_stops=np.arange(len(prompts))[:, None] == np.zeros((1, len(stops))),

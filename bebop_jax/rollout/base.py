@@ -212,7 +212,7 @@ def rollouts_from_episodes(episodes, prompts: Sequence[Sequence[int]],
                            task_ids: Sequence[int], *, max_new_tokens: int,
                            num_draft_steps: int, policy_version: int = 0,
                            seconds: float = 0.0) -> Rollouts:
-  """Packs decoding.multi_turn Episodes (one per prompt) into a Rollouts."""
+  """Packs rollout.episodes Episodes (one per prompt) into a Rollouts."""
   b = len(episodes)
   p = max((len(x) for x in prompts), default=1)
   prompt_tokens = np.zeros((b, p), np.int32)

@@ -1,5 +1,5 @@
 """`JaxEngine`: rollouts decoded by the policy, speculatively with its MTP drafts or
-autoregressively, every task through its environment (decoding.multi_turn).
+autoregressively, every task through its environment (rollout.episodes).
 
 A batch may mix tasks: single-turn rows stop at end of sequence, multi-turn rows also at the
 end of a tool call (per-row stop sets), and each row's environment scores it. Because
@@ -19,7 +19,7 @@ from flax import nnx
 
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data.tokenizer import BaseTokenizer
-from bebop_jax.decoding import multi_turn
+from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.rollout import base
 
 
@@ -114,13 +114,13 @@ class JaxEngine(base.RolloutEngine):
                   prompt_buckets=s.prompt_buckets)
     if s.engine == "speculative":
       stats = []
-      episodes = multi_turn.speculative_episodes(
+      episodes = episodes_lib.speculative_episodes(
           self.graphdef, params, prompts, envs, rng, mode=s.decode_mode,
           num_draft_steps=self.num_draft_steps, draft_vocab=s.draft_vocab,
           adaptive_settings=s.adaptive, acceptance=s.acceptance, adaptive_stats=stats,
           **common)
     else:
-      episodes = multi_turn.autoregressive_episodes(self.graphdef, params, prompts, envs,
+      episodes = episodes_lib.autoregressive_episodes(self.graphdef, params, prompts, envs,
                                                     rng, return_hidden=s.return_hidden,
                                                     **common)
     rollouts = base.rollouts_from_episodes(

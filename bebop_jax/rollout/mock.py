@@ -12,7 +12,7 @@ import numpy as np
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data.tokenizer import BaseTokenizer
-from bebop_jax.decoding import multi_turn
+from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.rollout import base
 
 # (example, row index in the batch, a per-call integer seed) -> completion text
@@ -50,7 +50,7 @@ class MockEngine(base.RolloutEngine):
       ids = full[:n_max]
       mask = ~pipeline.tool_result_mask(np.asarray(ids, np.int32), tok)
       prompts.append(tok.encode_prompt(ex.prompt))
-      episodes.append(multi_turn.Episode(
+      episodes.append(episodes_lib.Episode(
           tokens=ids, policy_mask=mask.tolist(),
           logprobs=np.where(mask, self.logprob, 0.0).tolist(),
           entropy=np.where(mask, self.entropy, 0.0).tolist(),

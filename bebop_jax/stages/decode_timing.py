@@ -12,7 +12,7 @@ every published wall-clock figure: MIN_REPEATS passes over MIN_PROMPTS prompts, 
 tokens per arm). Used by experiments/bench_decode.py and the evaluation stage.
 
 `run_episode_benchmark` times whole agentic episodes instead (policy turns with the tool
-environment in the loop, decoding.multi_turn): speculative episodes against autoregressive
+environment in the loop, rollout.episodes): speculative episodes against autoregressive
 episodes that keep their cache across turns and autoregressive episodes that re-encode the
 whole context every turn, on the same held-out agentic prompts and keys.
 """
