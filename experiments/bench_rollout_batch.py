@@ -6,7 +6,7 @@ dataset (mtp.data.batch_size).
       --out=docs/artifacts/smollm2_rollout_batch.json
 
 The SFT policy of --workdir samples the first --num_prompts training prompts of each task
-the way the MTP stage does (stages.mtp.policy_rollouts: the stage's temperature, budget and
+the way the MTP stage does (stages.drafter_data.policy_rollouts: the stage's temperature, budget and
 key, autoregressively, keeping the trunk's hidden states), once per batch size after a
 warm-up call that compiles its programs. Reports policy tokens per second per batch size,
 over --repeats passes in alternating order (each pass times every batch size once), with
@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 from bebop_jax.stages import config as config_lib
 from bebop_jax.stages import lineage
-from bebop_jax.stages import mtp
+from bebop_jax.stages import drafter_data
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding the SFT stage.")
@@ -39,13 +39,13 @@ def main(argv):
   del argv
   config = config_lib.validate(_CONFIG.value)
   graphdef, params = lineage.restore_policy(config, _WORKDIR.value, stage="sft")
-  per_task = {n: _PROMPTS.value for n in mtp.heldout_tasks(config)}
+  per_task = {n: _PROMPTS.value for n in drafter_data.heldout_tasks(config)}
   sizes = [int(b) for b in _BATCH.value]
 
   def sample(batch: int, num: dict[str, int]) -> tuple[float, int]:
     config.mtp.data.batch_size = batch
     start = time.perf_counter()
-    rollouts = mtp.policy_rollouts(config, graphdef, params, "train", num,
+    rollouts = drafter_data.policy_rollouts(config, graphdef, params, "train", num,
                                    engine="autoregressive")
     return time.perf_counter() - start, sum(r.policy_tokens() for r in rollouts.values())
 

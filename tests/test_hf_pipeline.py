@@ -22,11 +22,11 @@ from bebop_jax.model import config as model_config
 from bebop_jax.model import hf
 from bebop_jax.model import model as policy_lib
 from bebop_jax.stages import lineage
-from bebop_jax.stages import mtp as mtp_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.stages import sft as sft_lib
 from bebop_jax.train import trainer
 from experiments import make_tiny_qwen3
+from bebop_jax.stages import drafter_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "qwen3_hf.py")
@@ -71,7 +71,7 @@ def test_the_pipeline_runs_from_a_checkpoint_on_its_vocabulary(tmp_path, capsys)
 
   # The rollouts the MTP stage trained on are in the checkpoint's vocabulary: merged BPE
   # pieces (ids past the character tokenizer's 104), prompts that decode to task text.
-  records = mtp_lib.drafter_store(config, workdir).read_split("train")
+  records = drafter_data.drafter_store(config, workdir).read_split("train")
   tokens = np.concatenate([r["tokens"] for r in records])
   assert tokens.max() < tok.vocab_size and (tokens >= 128).any()
   texts = [tok.decode(r["tokens"]) for r in records]
@@ -97,7 +97,7 @@ def test_a_drafter_trains_for_a_pretrained_chat_model_alone(tmp_path, capsys):
   assert os.path.exists(os.path.join(workdir, "mtp", "summary.json"))
   assert not os.path.exists(os.path.join(workdir, "sft"))
   tok = tokenizer_lib.load_tokenizer(ckpt, chat_format=True)
-  records = mtp_lib.drafter_store(config, workdir).read_split("train")
+  records = drafter_data.drafter_store(config, workdir).read_split("train")
   texts = [tok.decode(r["tokens"]) for r in records]
   head = f"<|im_start|>system\n{tokenizer_lib.CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n"
   assert texts and all(t.startswith(head) for t in texts)

@@ -17,6 +17,7 @@ from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.data.tokenizer import HFTokenizer, Tokenizer
 from bebop_jax.tasks import base, get_task
+from bebop_jax.stages import drafter_data
 
 MARKERS = base.SPECIAL_MARKERS
 ID_NAMES = ("pad_id", "bos_id", "eos_id", "answer_id", "call_start_id", "call_end_id",
@@ -326,11 +327,10 @@ def test_stages_run_tokenizes_with_the_config_tokenizer_and_leaves_nothing_behin
 
 def test_cached_rollouts_are_keyed_by_the_tokenizer(files):
   """The MTP stage caches rollout token ids (bebop_jax/stages/mtp.py); the TFDS datasets hold text."""
-  from bebop_jax.stages import mtp  # pylint: disable=g-import-not-at-top
-  keys = {spec: mtp.store_key(_config(spec))
+  keys = {spec: drafter_data.store_key(_config(spec))
           for spec in ("char", files["with_markers"], files["without_markers"])}
   assert len(set(keys.values())) == 3
-  assert mtp.store_key(config_lib.base_config()) == keys["char"]
+  assert drafter_data.store_key(config_lib.base_config()) == keys["char"]
 
 
 def test_the_char_tokenizer_implements_the_interface():

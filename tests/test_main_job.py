@@ -17,6 +17,7 @@ from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.stages import mtp
 from bebop_jax.train import drafter
+from bebop_jax.stages import drafter_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,7 +159,7 @@ def test_rerun_reuses_everything(job, capsys):
   table = out[out.index(f"== {os.path.abspath(workdir)} =="):]
   assert "before RL ->" in table and "summary.json" in table and "time " in table
   assert time.perf_counter() - start < 30
-  store = mtp.drafter_store(config, workdir)  # the drafter dataset, sampled once
+  store = drafter_data.drafter_store(config, workdir)  # the drafter dataset, sampled once
   assert sorted(store.meta()["splits"]) == ["test", "train"]
   assert len(os.listdir(os.path.dirname(store.path))) == 1
 

@@ -34,10 +34,10 @@ from bebop_jax.stages import report
 from bebop_jax.decoding import batching, diagnostics, sampling
 from bebop_jax.stages import decode_timing
 from bebop_jax.train import metrics as metrics_lib
-from bebop_jax.stages import mtp
 from bebop_jax.train import drafter
 from bebop_jax.stages import lineage
 from bebop_jax.stages import rollouts as rollouts_lib
+from bebop_jax.stages import drafter_data
 
 STAGE = "eval"
 TIMING_FILE = "timing.json"
@@ -137,10 +137,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # target entropy.
   after = mtp_summary["after"]
   if rl_summary is None:
-    sequences = mtp.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
+    sequences = drafter_data.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
   else:
     # This policy's own rollouts, with the MTP stage's held-out prompts and settings.
-    rollouts = mtp.policy_rollouts(config, graphdef, params, "test", mtp.heldout_tasks(config),
+    rollouts = drafter_data.policy_rollouts(config, graphdef, params, "test", drafter_data.heldout_tasks(config),
                                    progress=r.progress, desc="[eval] held-out rollouts")
     sequences = [seq for ro in rollouts.values() for seq in ro.sequences()]
   progress = bar(len(r.entropy_temperatures) * -(-len(sequences) // config.eval.batch_size),

@@ -28,6 +28,7 @@ from experiments.findings import common
 from experiments.findings import rules
 from experiments.findings import stats
 from bebop_jax.stages import lineage
+from bebop_jax.stages import drafter_data
 
 NAME_F1, NAME_F2 = "acceptance_entropy", "greedy_vs_rejection"
 TITLE_F1 = "F1: acceptance falls as policy entropy rises"
@@ -59,11 +60,10 @@ def rl_step_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
 def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   """{mode: {"temperature", "entropy", "depth1", "mean"}}: one point per temperature."""
   from bebop_jax.decoding import batching, diagnostics, sampling  # pylint: disable=g-import-not-at-top
-  from bebop_jax.stages import mtp  # pylint: disable=g-import-not-at-top
   config = ctx.drafter_config("e2e_tv", 0)
   workdir = ctx.drafter("e2e_tv", 0)
   graphdef, params = lineage.restore_policy(config, workdir, stage="mtp")
-  sequences = mtp.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
+  sequences = drafter_data.heldout_sequences(config, workdir, graphdef, params)  # stored by mtp
   vocab = lineage.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
   vocab = None if vocab is None else jnp.asarray(vocab)
   length = batching.bucket(max(len(t) for t, _ in sequences), tuple(config.eval.prompt_buckets))
