@@ -6,7 +6,7 @@ back, each its own segment (segment ids 1, 2, ... within the row; 0 is padding) 
 positions restarting at 0 (`pack_layout`), and `pack` fills per-item fields into those
 places. Deterministic (a stable sort, then first fit), so the same items give the same rows.
 
-The one packer of the project: the MTP stage's drafter rows (train/mtp.pack_rows,
+The one packer of the project: the MTP stage's drafter rows (train/drafter.pack_rows,
 pack_hidden), the RL learner's update batches (rl/learner.update_batches) and the packed
 batches of the teacher-forced diagnostic (decoding/diagnostics.packed_batches). The SFT
 pipeline packs with grain's packing instead (data/pipeline.py).
