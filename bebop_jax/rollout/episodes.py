@@ -32,6 +32,7 @@ so each shape compiles once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -193,60 +194,28 @@ def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
   decode with an adaptive draft length (decoding/segments.py; k_max replaces
   num_draft_steps), its estimate seeded with `acceptance`; each call's segments.Stats is
   appended to `adaptive_stats`."""
-  if adaptive_settings is not None:
-    return _adaptive_episodes(
-        graphdef, state, prompts, environments, rng, tokenizer=tokenizer,
-        batch_size=batch_size, max_new_tokens=max_new_tokens, params=params, mode=mode,
-        stop_tokens=stop_tokens, row_stops=row_stops, max_turn_tokens=max_turn_tokens,
-        max_turns=max_turns, prompt_buckets=prompt_buckets, draft_vocab=draft_vocab,
-        settings=adaptive_settings, acceptance=acceptance,
-        stats=adaptive_stats if adaptive_stats is not None else [])
   stop_tokens = tuple(int(t) for t in stop_tokens)
   _check_inputs(prompts, environments, row_stops, stop_tokens)
-  k = num_draft_steps or nnx.merge(graphdef, state).config.num_draft_steps
   common = dict(params=params, mode=mode, max_turn_tokens=max_turn_tokens,
                 draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab,
                                                                           jnp.int32))
-  episodes: list[Episode] = []
-  for first in range(0, len(prompts), batch_size):
-    chunk = prompts[first:first + batch_size]
-    envs = list(environments[first:first + batch_size])
-    n = len(chunk)
-    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
-                                       fill_id=tokenizer.bos_id)
-    rng, key = jax.random.split(rng)
-    ds = speculative.start(
-        graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
-        cache_length=prompt.shape[1] + max_new_tokens + k + 1, num_draft_steps=num_draft_steps,
-        stop_tokens=stop_tokens,
-        row_stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)), **common)
-    ds, reward, turns, ended, truncated = _turns_in_slots(
-        ds, lambda ds, replies, reply_lengths: speculative.continue_with_reply(
-            graphdef, state, ds, replies, reply_lengths, **common),
-        envs, _stop_sets(stop_tokens, row_stops, first, n), tokenizer=tokenizer,
-        batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns)
-    episodes += _speculative_chunk_episodes(jax.device_get(ds.out), n, reward, turns, ended,
-                                            truncated)
-  return episodes
+  if adaptive_settings is None:
+    lookahead = num_draft_steps or nnx.merge(graphdef, state).config.num_draft_steps
+    start = functools.partial(speculative.start, num_draft_steps=num_draft_steps, **common)
+    resume = functools.partial(speculative.continue_with_reply, **common)
+  else:  # segments.start / continue_with_reply, each call's Stats kept
+    stats = adaptive_stats if adaptive_stats is not None else []
+    lookahead = max(adaptive_settings.k_max, 1)
+    common.update(settings=adaptive_settings, acceptance=acceptance)
 
-
-def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, tokenizer, batch_size,
-                       max_new_tokens, params, mode, stop_tokens, row_stops, max_turn_tokens,
-                       max_turns, prompt_buckets, draft_vocab, settings, acceptance,
-                       stats) -> list[Episode]:
-  """`speculative_episodes` with segments.start / segments.continue_with_reply."""
-  stop_tokens = tuple(int(t) for t in stop_tokens)
-  _check_inputs(prompts, environments, row_stops, stop_tokens)
-  k = max(settings.k_max, 1)
-  common = dict(params=params, mode=mode, settings=settings, max_turn_tokens=max_turn_tokens,
-                acceptance=acceptance,
-                draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab,
-                                                                          jnp.int32))
-
-  def keep(result):
-    ds, st = result
-    stats.append(st)
-    return ds
+    def keep(fn):
+      def call(*args, **kwargs):
+        ds, st = fn(*args, **kwargs)
+        stats.append(st)
+        return ds
+      return call
+    start = keep(functools.partial(segments.start, **common))
+    resume = keep(functools.partial(segments.continue_with_reply, **common))
 
   episodes: list[Episode] = []
   for first in range(0, len(prompts), batch_size):
@@ -256,13 +225,13 @@ def _adaptive_episodes(graphdef, state, prompts, environments, rng, *, tokenizer
     prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
                                        fill_id=tokenizer.bos_id)
     rng, key = jax.random.split(rng)
-    ds = keep(segments.start(
-        graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
-        cache_length=prompt.shape[1] + max_new_tokens + k + 1, stop_tokens=stop_tokens,
-        row_stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)), **common))
+    ds = start(graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
+               cache_length=prompt.shape[1] + max_new_tokens + lookahead + 1,
+               stop_tokens=stop_tokens,
+               row_stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)))
     ds, reward, turns, ended, truncated = _turns_in_slots(
-        ds, lambda ds, replies, reply_lengths: keep(segments.continue_with_reply(
-            graphdef, state, ds, replies, reply_lengths, **common)),
+        ds, lambda ds, replies, reply_lengths: resume(graphdef, state, ds, replies,
+                                                      reply_lengths),
         envs, _stop_sets(stop_tokens, row_stops, first, n), tokenizer=tokenizer,
         batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns)
     episodes += _speculative_chunk_episodes(jax.device_get(ds.out), n, reward, turns, ended,
