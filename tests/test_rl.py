@@ -379,7 +379,7 @@ def test_versions_and_the_staleness_bound_survive_a_resume(rl_source, tmp_path):
   config = rl_source.config(**overrides)
   ckpt_dir = os.path.join(lineage.stage_dir(workdir, "rl"), "checkpoints")
   fresh = lambda: iter(pipeline.rl_prompt_dataset(
-      config.data, prompts_per_batch=config.rl.prompts_per_batch,
+      config_lib.settings(config).data, prompts_per_batch=config.rl.prompts_per_batch,
       group_size=config.rl.group_size, max_prompt_len=config.rl.max_prompt_len,
       seed=config.seed))
   reference = fresh()

@@ -133,7 +133,7 @@ def compile_rollout(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   mode = "exact" if params.greedy else r.mode
   k = r.num_draft_steps or config.model.num_draft_steps
   b = r.batch_size
-  tok = tokenizer_lib.for_data(config.data)
+  tok = tokenizer_lib.load_tokenizer(config.data.tokenizer, chat_format=config.data.chat_format)
   stop_tokens = (int(tok.eos_id), int(tok.call_end_id))
   mesh, rules = placement.rollout_mesh, placement.rollout_rules
   param_sh = placement.rollout_shardings(abstract)
