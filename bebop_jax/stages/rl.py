@@ -55,6 +55,7 @@ from bebop_jax import multihost
 from bebop_jax import rollout
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
+from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.rl import async_loop
 from bebop_jax.rl import learner
 from bebop_jax.rl import placement as placement_lib
@@ -231,7 +232,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         f"{multihost.process_count()}: use the synchronous loop")
   os.makedirs(lineage.stage_dir(workdir, "rl"), exist_ok=True)
   stage_start = time.perf_counter()
-  place = placement_lib.make_placement(config)
+  place = placement_lib.make_placement(c.placement, settings.mesh)
   graphdef, params0, source = load_initial_policy(config, workdir)
   draft_vocab = draft_vocabulary(config, workdir)
   seeds = drafter_acceptance(config, workdir)
@@ -287,7 +288,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
   produce = _make_producer(config, graphdef, task_objs, store, place,
                            tuple(c.acceptance_modes), learn.seq_len, draft_vocab, seeds,
-                           shards=(shards, local))
+                           shards=(shards, local), tokenizer=data.loaded_tokenizer)
 
   def draw():
     batch = next(prompts)
@@ -375,10 +376,12 @@ def _describe_timing(summary: dict) -> str:
 def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
                    place: placement_lib.Placement, tf_modes, pack_length: int,
                    draft_vocab: tuple[int, ...] | None = None, seeds=None,
-                   shards: tuple[int, tuple[int, ...]] = (1, (0,))):
+                   shards: tuple[int, tuple[int, ...]] = (1, (0,)), *,
+                   tokenizer: tokenizer_lib.BaseTokenizer):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
-  on the rollout side with the newest weights in `store`, rollout key fold_in(seed + 101,
-  index), and the teacher-forced acceptance of its rows under the version that sampled them.
+  on the rollout side with the newest weights in `store` (the engine tokenizing with
+  `tokenizer`, the config's), rollout key fold_in(seed + 101, index), and the teacher-forced
+  acceptance of its rows under the version that sampled them.
 
   `shards` = (S, this process's shards): with S > 1 the prompt batch holds this process's
   shards' prompts, each shard s sampled on its own with key fold_in(that key, s); the
@@ -396,7 +399,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
   with store.read() as (params, version):
     engine = rollout.JaxEngine(graphdef, params, task_objs,
                                rollouts.rl_settings(config, seeds, draft_vocab=draft_vocab),
-                               tokenizer=config_lib.settings(config).data.loaded_tokenizer,
+                               tokenizer=tokenizer,
                                policy_version=version)
   engine.release_params()
   del params
