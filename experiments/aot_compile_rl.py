@@ -107,9 +107,9 @@ def main(argv=None) -> int:
   config = config_lib.load_file(path, arg or None)
   for assignment in args.set:
     _override(config, assignment)
-  config = config_lib.validate(config)
+  settings = config_lib.settings(config)  # validates it
   start = time.perf_counter()
-  result = aot.compile_programs(config, prompt_len=args.prompt_len,
+  result = aot.compile_programs(settings, prompt_len=args.prompt_len,
                                 completion_len=args.completion_len,
                                 learner_only=args.learner_only)
   result.update(config=args.config, overrides=args.set, total_s=time.perf_counter() - start)

@@ -37,7 +37,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bebop_jax.stages import config as config_lib
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.stages import decode_timing  # pylint: disable=g-bad-import-order
 from bebop_jax.decoding import (adaptive, autoregressive, sampling, segments,
                                 speculative)
@@ -60,7 +59,7 @@ def main(argv):
   graphdef, state, source = mtp.load_workdir_policy(
       config, _WORKDIR.value, which="random" if _RANDOM.value else "auto")
   tokens, lengths = decode_timing.prompt_batches(config, 1, _PROMPT.value + 1)[_PROMPT.value]
-  tok = tokenizer_lib.for_data(config.data)
+  tok = config_lib.settings(config).data.loaded_tokenizer
   stop = (tok.eos_id, tok.call_end_id)
   params = sampling.SamplingParams(temperature=1.0)
   kw = dict(max_new_tokens=_NEW.value, cache_length=tokens.shape[1] + _NEW.value + 8,

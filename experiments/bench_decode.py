@@ -53,7 +53,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bebop_jax.stages import config as config_lib
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.stages import decode_timing
 from bebop_jax.stages import lineage
 from bebop_jax.stages import mtp
@@ -112,7 +111,7 @@ def main(argv):
       continue
     if not label.isdigit():
       raise ValueError(f"--draft_vocab={label!r} is not allowed: 'full' or a size")
-    tok = tokenizer_lib.for_data(config.data)
+    tok = config_lib.settings(config).data.loaded_tokenizer
     ids, coverage[label] = lineage.draft_vocabulary(_WORKDIR.value, int(label),
                                                 always=(tok.eos_id, tok.call_end_id))
     draft_vocabs[label] = ids

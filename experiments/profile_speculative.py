@@ -39,7 +39,6 @@ from flax import nnx
 from ml_collections import config_flags
 
 from bebop_jax.stages import config as config_lib
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import autoregressive, sampling, speculative
 from bebop_jax.model import layers
 from bebop_jax.stages import decode_timing
@@ -81,7 +80,7 @@ def loop_costs(config, graphdef, state, prompts, *, max_new: int, rounds: int,
   generations that stop where a rollout turn stops, as bench_decode does."""
   params = sampling.SamplingParams(temperature=1.0)
   cache_length = max(t.shape[1] for t, _ in prompts) + max_new + 8
-  tok = tokenizer_lib.for_data(config.data)
+  tok = config_lib.settings(config).data.loaded_tokenizer
 
   def run(kind, new, stops):
     def go():

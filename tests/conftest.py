@@ -69,6 +69,14 @@ def tiny_data_config(tmp_path_factory):
   return config.data
 
 
+@pytest.fixture(scope="session")
+def tiny_data(tiny_data_config):
+  """`tiny_data_config`'s typed settings (DataSettings, what the data pipelines take)."""
+  config = config_lib.base_config()
+  config.data = tiny_data_config
+  return config_lib.settings(config).data
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_after_each_module():
   """The whole suite runs in one process: drop each module's compiled executables when it

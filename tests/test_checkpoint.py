@@ -331,11 +331,12 @@ def _save_stage(workdir, config, stage: str, seed: int, step: int):
   the step), its parameters a policy initialised with `seed`; returns the saved tree."""
   from bebop_jax.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.train import trainer  # pylint: disable=g-import-not-at-top
+  from bebop_jax.train.settings import OptimSettings  # pylint: disable=g-import-not-at-top
   model_cfg = model_config.ModelConfig.from_dict(config.model.to_dict())
   _, trainable, frozen = nnx.split(
       policy_lib.Policy(model_cfg, rngs=nnx.Rngs(seed)),
       optimizer_lib.trainable_filter(config[stage].optim.trainable), ...)
-  tx, _ = optimizer_lib.make_optimizer(config[stage].optim, 10)
+  tx, _ = optimizer_lib.make_optimizer(OptimSettings(**config[stage].optim.to_dict()), 10)
   grads = jax.tree.map(jnp.ones_like, trainable)
   _, opt_state = tx.update(grads, tx.init(trainable), trainable)
   tree = trainer.TrainState(trainable, frozen, opt_state, jnp.int32(step)).checkpoint_tree()

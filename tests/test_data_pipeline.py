@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,13 @@ def _take(iterator, n):
 
 def _equal(a, b):
   return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _math_only(data, **knobs):
+  """`data` with math the only task, its knobs updated by `knobs`."""
+  tasks = {n: dataclasses.replace(t, weight=float(n == "math")) for n, t in data.tasks.items()}
+  tasks["math"] = dataclasses.replace(tasks["math"], knobs={**tasks["math"].knobs, **knobs})
+  return dataclasses.replace(data, tasks=tasks)
 
 
 def test_sft_features_mask_prompt_and_tool_results():
@@ -33,9 +42,9 @@ def test_tool_result_mask_unterminated_runs_to_end():
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_sft_batches_shapes_masks_and_segments(tiny_data_config, packing):
-  ds = pipeline.sft_dataset(tiny_data_config, batch_size=4, seq_len=192, packing=packing)
-  tok = tokenizer_lib.for_data(tiny_data_config)
+def test_sft_batches_shapes_masks_and_segments(tiny_data, packing):
+  ds = pipeline.sft_dataset(tiny_data, batch_size=4, seq_len=192, packing=packing)
+  tok = tiny_data.loaded_tokenizer
   for batch in _take(iter(ds), 3):
     assert set(batch) == {"tokens", "segment_ids", "positions", "loss_mask"}
     for v in batch.values():
@@ -57,16 +66,16 @@ def test_sft_batches_shapes_masks_and_segments(tiny_data_config, packing):
     assert (seg.max(axis=1) > 1).any()  # more than one example per row
 
 
-def test_sft_mixture_uses_all_tasks(tiny_data_config):
-  tok = tokenizer_lib.for_data(tiny_data_config)
-  ds = pipeline.sft_dataset(tiny_data_config, batch_size=8, seq_len=256, packing=False)
+def test_sft_mixture_uses_all_tasks(tiny_data):
+  tok = tiny_data.loaded_tokenizer
+  ds = pipeline.sft_dataset(tiny_data, batch_size=8, seq_len=256, packing=False)
   text = " ".join(tok.decode(row, strip_pad=True) for b in _take(iter(ds), 4)
                   for row in b["tokens"])
   assert "Compute:" in text and base.CALL_START in text and "program" in text
 
 
-def test_sft_resume_from_state_gives_the_next_batch(tiny_data_config):
-  ds = pipeline.sft_dataset(tiny_data_config, batch_size=4, seq_len=192, seed=3)
+def test_sft_resume_from_state_gives_the_next_batch(tiny_data):
+  ds = pipeline.sft_dataset(tiny_data, batch_size=4, seq_len=192, seed=3)
   straight = _take(iter(ds), 6)
   for k in (1, 4):
     it = iter(ds)
@@ -76,18 +85,18 @@ def test_sft_resume_from_state_gives_the_next_batch(tiny_data_config):
     resumed.set_state(state)
     assert _equal(next(resumed), straight[k])
   # Same seed, same batches; another seed, other batches.
-  assert _equal(next(iter(pipeline.sft_dataset(tiny_data_config, batch_size=4, seq_len=192,
+  assert _equal(next(iter(pipeline.sft_dataset(tiny_data, batch_size=4, seq_len=192,
                                                seed=3))), straight[0])
-  assert not _equal(next(iter(pipeline.sft_dataset(tiny_data_config, batch_size=4,
+  assert not _equal(next(iter(pipeline.sft_dataset(tiny_data, batch_size=4,
                                                    seq_len=192, seed=4))), straight[0])
 
 
-def test_rl_prompt_batches_repeat_each_prompt(tiny_data_config):
-  ds = pipeline.rl_prompt_dataset(tiny_data_config, prompts_per_batch=3, group_size=4,
+def test_rl_prompt_batches_repeat_each_prompt(tiny_data):
+  ds = pipeline.rl_prompt_dataset(tiny_data, prompts_per_batch=3, group_size=4,
                                   max_prompt_len=128, seed=1)
   it = iter(ds)
   batches = _take(it, 3)
-  tok = tokenizer_lib.for_data(tiny_data_config)
+  tok = tiny_data.loaded_tokenizer
   for b in batches:
     assert b["prompt_tokens"].shape == (12, 128)
     assert b["group_ids"].tolist() == [0] * 4 + [1] * 4 + [2] * 4
@@ -109,59 +118,54 @@ def test_rl_prompt_batches_repeat_each_prompt(tiny_data_config):
   assert _equal(next(resumed), nxt)
 
 
-def test_prompt_longer_than_max_is_a_clear_error(tiny_data_config):
-  ds = pipeline.rl_prompt_dataset(tiny_data_config, prompts_per_batch=2, group_size=1,
+def test_prompt_longer_than_max_is_a_clear_error(tiny_data):
+  ds = pipeline.rl_prompt_dataset(tiny_data, prompts_per_batch=2, group_size=1,
                                   max_prompt_len=4)
   with pytest.raises(ValueError, match="more than max_prompt_len=4"):
     next(iter(ds))
 
 
-def test_test_split_is_held_out(tiny_data_config):
+def test_test_split_is_held_out(tiny_data):
   for name in TASK_NAMES:
-    train = pipeline.task_source(tiny_data_config, name, "train")
-    test = pipeline.eval_examples(tiny_data_config, name, 1000)
-    assert len(test) == tiny_data_config.num_test
+    train = pipeline.task_source(tiny_data, name, "train")
+    test = pipeline.eval_examples(tiny_data, name, 1000)
+    assert len(test) == tiny_data.num_test
     train_prompts = {bytes(train[i]["prompt"]).decode() for i in range(len(train))}
     assert not train_prompts & {ex.prompt for ex in test}
 
 
-def test_rl_split_is_disjoint_from_train_and_test(tiny_data_config):
+def test_rl_split_is_disjoint_from_train_and_test(tiny_data):
   """RL learns on prompts SFT never saw and evaluation never shows."""
   rl_prompts = {}
   for name in TASK_NAMES:
     prompts = {}
     for split in ("train", "test", "rl"):
-      source = pipeline.task_source(tiny_data_config, name, split)
+      source = pipeline.task_source(tiny_data, name, split)
       prompts[split] = {bytes(source[i]["prompt"]).decode() for i in range(len(source))}
-    assert len(prompts["rl"]) == tiny_data_config.num_rl
+    assert len(prompts["rl"]) == tiny_data.num_rl
     assert not prompts["rl"] & (prompts["train"] | prompts["test"])
     rl_prompts[name] = prompts["rl"]
-  batch = next(iter(pipeline.rl_prompt_dataset(tiny_data_config, prompts_per_batch=4,
+  batch = next(iter(pipeline.rl_prompt_dataset(tiny_data, prompts_per_batch=4,
                                                group_size=2, max_prompt_len=128)))
   for raw in batch["example_json"]:  # the RL prompt stream reads the rl split
     ex = Example.from_json(raw)
     assert ex.prompt in rl_prompts[ex.task]
 
 
-def test_sft_samples_a_fresh_demonstration_at_every_visit(tiny_data_config):
+def test_sft_samples_a_fresh_demonstration_at_every_visit(tiny_data):
   """With diversity, the same examples come back with other solution paths in later
   epochs; the stream is still a function of the seed."""
-  config = tiny_data_config.copy_and_resolve_references()
-  for name in TASK_NAMES:
-    config.tasks[name].weight = 1.0 if name == "math" else 0.0
-  config.tasks.math.knobs.diversity = 0.8
-  config.tasks.math.knobs.restate = 0.4
-  config.tasks.math.knobs.spacing = 0.4
-  tok = tokenizer_lib.for_data(config)
+  data = _math_only(tiny_data, diversity=0.8, restate=0.4, spacing=0.4)
+  tok = data.loaded_tokenizer
 
   def texts(seed, batches):
-    it = iter(pipeline.sft_dataset(config, batch_size=4, seq_len=64, packing=False,
+    it = iter(pipeline.sft_dataset(data, batch_size=4, seq_len=64, packing=False,
                                    seed=seed))
     return [tok.decode(row, strip_pad=True) for _ in range(batches)
             for row in next(it)["tokens"]]
 
-  stream = texts(0, 3 * config.num_train // 4)  # three epochs of the math examples
-  assert stream == texts(0, 3 * config.num_train // 4)
+  stream = texts(0, 3 * data.num_train // 4)  # three epochs of the math examples
+  assert stream == texts(0, 3 * data.num_train // 4)
   by_prompt = {}
   for text in stream:
     prompt, _, demo = text.partition("\n")
@@ -174,17 +178,13 @@ def test_sft_samples_a_fresh_demonstration_at_every_visit(tiny_data_config):
     assert demo.endswith(f"<|answer|>{value}")
 
 
-def test_the_first_canonical_examples_use_the_canonical_demonstration(tiny_data_config):
+def test_the_first_canonical_examples_use_the_canonical_demonstration(tiny_data):
   """data.canonical_examples: a curriculum, one path first, sampled paths afterwards."""
-  config = tiny_data_config.copy_and_resolve_references()
-  for name in TASK_NAMES:
-    config.tasks[name].weight = 1.0 if name == "math" else 0.0
-  config.tasks.math.knobs.diversity = 1.0
-  config.tasks.math.knobs.spacing = 0.5
-  config.canonical_examples = 2 * config.num_train
-  tok = tokenizer_lib.for_data(config)
-  it = iter(pipeline.sft_dataset(config, batch_size=4, seq_len=64, packing=False))
-  texts = [tok.decode(row, strip_pad=True) for _ in range(config.num_train)
+  data = dataclasses.replace(_math_only(tiny_data, diversity=1.0, spacing=0.5),
+                             canonical_examples=2 * tiny_data.num_train)
+  tok = data.loaded_tokenizer
+  it = iter(pipeline.sft_dataset(data, batch_size=4, seq_len=64, packing=False))
+  texts = [tok.decode(row, strip_pad=True) for _ in range(data.num_train)
            for row in next(it)["tokens"]]  # four epochs: two canonical, two sampled
   demos = [t.removeprefix("<|bos|>").removesuffix("<|eos|>").partition("\n") for t in texts]
   half = len(demos) // 2

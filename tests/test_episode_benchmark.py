@@ -10,7 +10,6 @@ import pytest
 from bebop_jax.stages import config as config_lib
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import sampling
 from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.model import config as model_config
@@ -51,9 +50,10 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
                                                                   monkeypatch):
   config = config_lib.base_config()
   config.data = tiny_data_config
-  tok = tokenizer_lib.for_data(config.data)  # the benchmark's tokenizer
+  data = config_lib.settings(config).data
+  tok = data.loaded_tokenizer  # the benchmark's tokenizer
   # Three prompts in batches of 2: four episodes, the first four held-out agentic prompts.
-  examples = pipeline.eval_examples(config.data, "agentic", 4)
+  examples = pipeline.eval_examples(data, "agentic", 4)
   prompts = [tok.encode(ex.prompt, add_bos=True) for ex in examples]
   get_task = tasks_lib.get_task
   monkeypatch.setattr(tasks_lib, "get_task", lambda name, **knobs: (

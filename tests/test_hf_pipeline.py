@@ -149,7 +149,8 @@ def test_qwen3_8b_config_compiles_ahead_of_time_on_a_simulated_mesh(tmp_path):
   model = nnx.merge(graphdef, abstract)
   graphdef, trainable, frozen = nnx.split(
       model, optimizer_lib.trainable_filter(config.sft.optim.trainable), ...)
-  tx, schedule = optimizer_lib.make_optimizer(config.sft.optim, config.sft.train.num_steps)
+  tx, schedule = optimizer_lib.make_optimizer(config_lib.settings(config).sft.optim,
+                                              config.sft.train.num_steps)
   state = trainer.TrainState(trainable, frozen, jax.eval_shape(tx.init, trainable), 0)
   batch = {k: np.zeros((config.data.batch_size, 128), np.int32)
            for k in ("tokens", "positions", "segment_ids", "loss_mask")}

@@ -1,6 +1,6 @@
 """HFTokenizer on small byte-level BPE tokenizers trained here on our own task text, and the
-choice of the tokenizer by `data.tokenizer` (`tokenizer_lib.for_data`), handed to the code
-that tokenizes: there is no active tokenizer to set or leave behind."""
+choice of the tokenizer by `data.tokenizer` (the data settings' `loaded_tokenizer`), handed
+to the code that tokenizes: there is no active tokenizer to set or leave behind."""
 
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ def test_a_tokenizer_that_does_not_round_trip_is_rejected(tmp_path):
 def test_load_tokenizer(files, tmp_path):
   char = tokenizer_lib.load_tokenizer("char")
   assert isinstance(char, Tokenizer) and tokenizer_lib.load_tokenizer("char") is char
-  assert tokenizer_lib.for_data(config_lib.base_config().data) is char  # the default
+  assert config_lib.settings(config_lib.base_config()).data.loaded_tokenizer is char  # default
   path = files["with_markers"]
   tok = tokenizer_lib.load_tokenizer(path)
   assert tokenizer_lib.load_tokenizer(os.path.dirname(path)) is tok  # the directory; cached
@@ -250,9 +250,9 @@ def test_the_config_chooses_the_tokenizer(files):
   assert config_lib.base_config().data.tokenizer == "char"
   config = _config(files["with_markers"])
   assert config_lib.validate(config) is config  # checks it (loading the file), sets nothing
-  hf = tokenizer_lib.for_data(config.data)
+  hf = config_lib.settings(config).data.loaded_tokenizer
   assert isinstance(hf, HFTokenizer) and hf.path == files["with_markers"]
-  assert tokenizer_lib.for_data(config.data) is hf  # loaded once
+  assert config_lib.settings(config).data.loaded_tokenizer is hf  # loaded once
   assert hf.encode("ab") != char.encode("ab")
   # the code handed it uses it: the SFT features and their tool-result mask
   prompt, demo = "What is x?\n", "<|call|>get(x,age)<|/call|><|result|>7<|/result|><|answer|>7"
@@ -268,7 +268,7 @@ def test_the_config_chooses_the_tokenizer(files):
   with pytest.raises(TypeError, match="tokenizer"):
     pipeline.tool_result_mask(feats["tokens"])  # pylint: disable=no-value-for-parameter
   # Validating the HF config changed nothing for a char config.
-  assert tokenizer_lib.for_data(config_lib.base_config().data) is char
+  assert config_lib.settings(config_lib.base_config()).data.loaded_tokenizer is char
   assert pipeline.sft_features(prompt, demo, char)["tokens"].tolist() == char.encode(
       prompt, add_bos=True) + char.encode(demo, add_eos=True)
 
@@ -298,8 +298,9 @@ def test_stages_run_tokenizes_with_the_config_tokenizer_and_leaves_nothing_behin
 
   def data_stage(config, workdir):
     del workdir
-    batch = next(iter(pipeline.rl_prompt_dataset(config.data, prompts_per_batch=2,
-                                                 group_size=1, max_prompt_len=512)))
+    batch = next(iter(pipeline.rl_prompt_dataset(config_lib.settings(config).data,
+                                                 prompts_per_batch=2, group_size=1,
+                                                 max_prompt_len=512)))
     prompts = [Example.from_json(x).prompt for x in batch["example_json"]]
     seen.append([row[:n].tolist() for row, n in zip(batch["prompt_tokens"],
                                                     batch["prompt_lengths"])])
@@ -409,7 +410,7 @@ def test_chat_format_errors_are_named(files, chat_dir):
   config = _config(chat_dir)
   config.data.chat_format = True
   config_lib.validate(config)
-  assert tokenizer_lib.for_data(config.data).end_of_turn == "<|im_end|>"
+  assert config_lib.settings(config).data.loaded_tokenizer.end_of_turn == "<|im_end|>"
 
 
 def test_plain_answer_lines_are_found_where_the_marker_is():

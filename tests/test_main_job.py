@@ -291,18 +291,18 @@ def test_rl_rollouts_with_a_reduced_draft_vocabulary(job):
   rollouts, through multi_turn and the jitted loop."""
   from bebop_jax import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  from bebop_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from bebop_jax.stages import rl as rl_stage  # pylint: disable=g-import-not-at-top
   _, workdir, config = job
   config = config_lib.validate(config.copy_and_resolve_references())
   assert rl_stage.draft_vocabulary(config, workdir) is None  # 0: the whole head
   config.rl.rollout.draft_vocab = 8
   ids = rl_stage.draft_vocabulary(config, workdir)
-  tok = tokenizer_lib.for_data(config.data)
+  data = config_lib.settings(config).data
+  tok = data.loaded_tokenizer
   assert len(ids) == 8 and {tok.eos_id, tok.call_end_id} <= set(ids)
   graphdef, params = lineage.restore_policy(config, workdir, stage="mtp")
   task_objs = {"math": tasks_lib.get_task("math", **config.data.tasks["math"].knobs)}
-  examples = {"math": pipeline.eval_examples(config.data, "math", 4)}
+  examples = {"math": pipeline.eval_examples(data, "math", 4)}
   ev = rl_stage.evaluate(config, graphdef, params, examples, task_objs, draft_vocab=ids)
   assert set(ev["modes"]) == set(config.rl.eval.modes)
   config.rl.rollout.draft_vocab = config.model.vocab_size + 1

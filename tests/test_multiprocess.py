@@ -15,6 +15,7 @@ checkpoint, and that with one process the helpers leave everything as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -23,14 +24,12 @@ import sys
 import time
 
 import jax
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from bebop_jax import multihost
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.train import drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,9 +191,10 @@ def test_start_up_errors_stop_every_process_with_a_message(tmp_path):
 # ----------------------------------------------------------------------------- the pieces
 
 
-def test_sft_shards_split_each_batch_between_disjoint_readers(tiny_data_config):
-  cfg = ml_collections.ConfigDict(tiny_data_config.to_dict())
-  cfg.tasks.code.weight = cfg.tasks.agentic.weight = 0.0
+def test_sft_shards_split_each_batch_between_disjoint_readers(tiny_data):
+  cfg = dataclasses.replace(tiny_data, tasks={
+      n: dataclasses.replace(t, weight=0.0 if n in ("code", "agentic") else t.weight)
+      for n, t in tiny_data.tasks.items()})
   batches = [next(iter(pipeline.sft_dataset(cfg, batch_size=4, seq_len=96, shard=(s, 2))))
              for s in range(2)]
   for batch in batches:
@@ -209,7 +209,7 @@ def test_sft_shards_split_each_batch_between_disjoint_readers(tiny_data_config):
   text = lambda r: r.decode() if isinstance(r, bytes) else str(r)
   prompts = [{text(source[i]["prompt"]) for i in range(s, len(source), 2)} for s in range(2)]
   only = [prompts[0] - prompts[1], prompts[1] - prompts[0]]
-  decode = tokenizer_lib.for_data(cfg).decode
+  decode = cfg.loaded_tokenizer.decode
   for s, batch in enumerate(batches):
     rows = [decode(row.tolist(), strip_pad=True) for row in batch["tokens"]]
     assert any(p in row for row in rows for p in only[s])

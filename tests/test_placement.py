@@ -13,6 +13,13 @@ from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax import sharding
 from bebop_jax.rl import placement as placement_lib
+from bebop_jax.rl.settings import PlacementSettings
+
+
+def _placement(config, devices=None):
+  settings = config_lib.settings(config)
+  return placement_lib.make_placement(settings.rl.placement, settings.mesh, devices)
+
 
 def _devices(tree):
   return {d.id for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
@@ -29,11 +36,11 @@ def test_split_placement_builds_disjoint_sub_meshes_with_their_own_axes():
   config = config_lib.base_config()
   config.rl.placement.update(mode="split", learner_devices=0.25, rollout_devices=4)
   config.rl.placement.rollout_mesh.update(shape=(2, -1), axes=("data", "tensor"))
-  p = placement_lib.make_placement(config)
+  p = _placement(config)
   assert [d.id for d in p.learner_mesh.devices.flat] == [0, 1]
   assert [d.id for d in p.rollout_mesh.devices.flat] == [2, 3, 4, 5]
   assert dict(p.rollout_mesh.shape) == {"data": 2, "tensor": 2}
-  colocated = placement_lib.make_placement(config_lib.base_config())
+  colocated = _placement(config_lib.base_config())
   assert colocated.learner_mesh.devices.size == 8 and not colocated.split
 
 
@@ -50,7 +57,8 @@ def test_a_placement_that_does_not_fit_the_devices_is_one_clear_error(placement,
   with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
     config_lib.validate(config)
   with pytest.raises(placement_lib.PlacementError, match=re.escape(message)):
-    placement_lib.make_placement(config)
+    placement_lib.make_placement(PlacementSettings(mode="split", **placement),
+                                 sharding.MeshSettings())
 
 
 def test_a_sub_mesh_that_does_not_fit_its_devices_names_both():
@@ -70,7 +78,7 @@ def test_weight_sync_gives_the_rollout_side_bitwise_equal_parameters():
   config.rl.placement.update(mode="split", learner_devices=4)
   config.rl.placement.learner_mesh.update(shape=(2, 2), axes=("fsdp", "tensor"))
   config.rl.placement.rollout_mesh.update(shape=(2, 2), axes=("data", "tensor"))
-  p = placement_lib.make_placement(config)
+  p = _placement(config)
   _, params = policy_lib.init(model_config.preset("tiny"))
   learner_params = jax.tree.map(jax.device_put, params, sharding.state_shardings(
       params, p.learner_mesh, p.learner_rules))
@@ -80,7 +88,7 @@ def test_weight_sync_gives_the_rollout_side_bitwise_equal_parameters():
   for a, b in zip(_leaves(learner_params), _leaves(copy)):
     assert a.dtype == b.dtype and np.array_equal(a, b)
   # Colocated on one device: still a copy, which survives deleting the original.
-  one = placement_lib.make_placement(config_lib.base_config(), devices=jax.devices()[:1])
+  one = _placement(config_lib.base_config(), devices=jax.devices()[:1])
   src = jax.device_put(params, jax.devices()[0])
   dst = one.to_rollout(src)
   jax.tree.map(lambda x: x.delete(), src)

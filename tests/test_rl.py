@@ -12,6 +12,7 @@ import pytest
 
 from bebop_jax.stages import config as config_lib
 from bebop_jax import rollout
+from bebop_jax import settings_base
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
@@ -21,6 +22,7 @@ from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from experiments import rl_benchmark as bench
 from bebop_jax.rl import learner
+from bebop_jax.rl.settings import RLSettings
 from bebop_jax.stages import rl as stage
 from bebop_jax.tasks import base
 from bebop_jax.train import checkpoint as checkpoint_lib
@@ -47,7 +49,9 @@ class DigitTask(base.Task):
     return sum(ch.isdigit() for ch in text) / max(len(text), 1)
 
 
-def _rl_config(**overrides):
+def _rl_settings(**overrides) -> RLSettings:
+  """The RL settings of the learner tests here (the section alone: they run on one device,
+  not on the config's mesh), with `overrides` by dotted key."""
   rl = config_lib.base_config().rl
   rl.prompts_per_batch, rl.group_size = 4, 8
   rl.max_prompt_len = 16
@@ -59,7 +63,7 @@ def _rl_config(**overrides):
     for part in path:
       target = target[part]
     target[last] = value
-  return rl
+  return settings_base.build(RLSettings, rl.to_dict(), "rl")
 
 
 def _leaves(tree):
@@ -74,7 +78,7 @@ def test_grpo_learns_a_task_that_a_random_policy_rarely_solves():
   so whether the policy takes off depends on the seed (in 5 of 20 runs of 60 steps: seeds 0-9
   under the Gumbel-max and the inverse-CDF samplers); with "keep" it does within 30 steps for
   every seed tried (0-5, held-out reward 0.93-0.98)."""
-  rl = _rl_config(**{"optim.learning_rate": 3e-3, "overlong": "keep"})
+  rl = _rl_settings(**{"optim.learning_rate": 3e-3, "overlong": "keep"})
   graphdef, params = policy_lib.init(CONFIG, seed=0)
   learn = learner.Learner(rl, graphdef, params, mesh=MESH, rules=RULES, seq_len=24)
   task = DigitTask()
@@ -117,7 +121,7 @@ def strategy_runs():
   assert 0 < batch.rewards.mean() < 1
   out = {}
   for strategy in learner.MTP_STRATEGIES:
-    rl = _rl_config(**{"mtp.strategy": strategy, "mtp.every": 2, "max_prompt_len": 32,
+    rl = _rl_settings(**{"mtp.strategy": strategy, "mtp.every": 2, "max_prompt_len": 32,
                        "rollout.max_new_tokens": 32})
     learn = learner.Learner(rl, graphdef, jax.tree.map(np.copy, params), mesh=MESH,
                             rules=RULES, seq_len=64)
@@ -166,7 +170,7 @@ def test_packed_update_batches_give_the_row_per_rollout_loss_and_gradients(aggre
   full = learner.learner_batch(rollouts, adv, seq_len)
   batches = {}
   for packing in (False, True):
-    rl = _rl_config(aggregation=aggregation, minibatches=2, packing=packing)
+    rl = _rl_settings(aggregation=aggregation, minibatches=2, packing=packing)
     batches[packing] = learner.update_batches(rl, full, lengths, seq_len=seq_len,
                                               rows_buckets=learner.row_buckets(16))
   rows, length = batches[True][0]["tokens"].shape
@@ -379,7 +383,7 @@ def test_versions_and_the_staleness_bound_survive_a_resume(rl_source, tmp_path):
   config = rl_source.config(**overrides)
   ckpt_dir = os.path.join(lineage.stage_dir(workdir, "rl"), "checkpoints")
   fresh = lambda: iter(pipeline.rl_prompt_dataset(
-      config.data, prompts_per_batch=config.rl.prompts_per_batch,
+      config_lib.settings(config).data, prompts_per_batch=config.rl.prompts_per_batch,
       group_size=config.rl.group_size, max_prompt_len=config.rl.max_prompt_len,
       seed=config.seed))
   reference = fresh()

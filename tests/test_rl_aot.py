@@ -85,9 +85,9 @@ def test_split_rl_programs_compile_in_process_on_disjoint_halves(capfd):
   config = config_lib.load_file(CONFIG, "1p7b")
   for mesh in (config.rl.placement.learner_mesh, config.rl.placement.rollout_mesh):
     mesh.shape = (-1, 2)
-  config_lib.validate(config)
+  settings = config_lib.settings(config)  # validates it
   t0 = time.perf_counter()
-  result = aot.compile_programs(config)
+  result = aot.compile_programs(settings)
   seconds = time.perf_counter() - t0
   assert result["learner"]["mesh"]["shape"] == {"fsdp": 2, "tensor": 2}
   assert result["rollout"]["mesh"]["shape"] == {"data": 2, "tensor": 2}
@@ -104,7 +104,7 @@ def test_compile_programs_needs_a_split_placement():
   config = config_lib.load_file(CONFIG, "1p7b")
   config.rl.placement.mode = "colocated"
   with pytest.raises(aot.AotError, match="placement.mode='colocated' is not allowed"):
-    aot.compile_programs(config)
+    aot.compile_programs(config_lib.settings(config))
 
 
 def test_pod_rl_config_names_the_allowed_sizes():

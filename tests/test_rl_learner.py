@@ -14,6 +14,7 @@ import pytest
 
 from bebop_jax.stages import config as config_lib
 from bebop_jax import rollout
+from bebop_jax import settings_base
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data.tokenizer import load_tokenizer
@@ -21,6 +22,7 @@ from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.rl import algorithms, async_loop, learner
 from bebop_jax.rl import placement as placement_lib
+from bebop_jax.rl.settings import PlacementSettings, RLSettings
 from bebop_jax.stages import rl as stage
 from bebop_jax.train import metrics as metrics_lib
 
@@ -31,7 +33,10 @@ CHAR = load_tokenizer("char")  # the tokenizer the engines here are handed
 G = 4
 
 
-def _rl_config(**overrides):
+def _rl_settings(**overrides) -> RLSettings:
+  """The default RL settings with 6 prompts of G rollouts, 32-token prompts and
+  completions, and `overrides` by dotted key (the section alone: the learners here run on
+  one device, not on the config's mesh)."""
   rl = config_lib.base_config().rl
   rl.prompts_per_batch, rl.group_size = 6, G
   rl.max_prompt_len = 32
@@ -42,7 +47,7 @@ def _rl_config(**overrides):
     for part in path:
       target = target[part]
     target[last] = value
-  return rl
+  return settings_base.build(RLSettings, rl.to_dict(), "rl")
 
 
 def _rollouts(rows, max_new_tokens=32, seed=0):
@@ -69,7 +74,7 @@ def test_dr_grpo_weights_do_not_depend_on_padding_or_dropped_groups(packing):
   """seq-mean-token-sum-norm gives every token 1 / (rows per update x max_new_tokens): the
   same batch padded to two widths, and with groups dropped, weighs each remaining token
   the same."""
-  rl = _rl_config(aggregation="seq-mean-token-sum-norm", packing=packing)
+  rl = _rl_settings(aggregation="seq-mean-token-sum-norm", packing=packing)
   r = _rollouts(rl.prompts_per_batch * G)
   lengths = r.prompt_lengths + r.lengths
   adv = np.asarray(algorithms.advantages(r.rewards, G))
@@ -133,7 +138,7 @@ def test_gradient_accumulation_3_and_8_with_packing_equal_one_update(tiny_policy
   rollouts = _rollouts(24)
   runs = {}
   for accum in (1, 3, 8):
-    rl = _rl_config(**{"train.grad_accum_steps": accum})
+    rl = _rl_settings(**{"train.grad_accum_steps": accum})
     learn, metrics = _trained(graphdef, params, rl, rollouts)
     assert all(r % accum == 0 for r in learn.row_buckets)
     assert metrics["learner_rows"] < learn.update_rows  # packed into fewer rows
@@ -173,7 +178,7 @@ def test_fused_head_gives_the_dense_heads_policy_loss_metrics_and_gradients(tiny
   near = lambda: np.where(full["mask"] > 0, full["behaviour_logprobs"] +
                           0.1 * rng.normal(size=full["mask"].shape), 0.0).astype(np.float32)
   full.update(ref_logprobs=near(), proximal_logprobs=near())
-  rl = _rl_config(prompts_per_batch=2, kl_coef=0.1, **{"rollout.temperature": 0.7})
+  rl = _rl_settings(prompts_per_batch=2, kl_coef=0.1, **{"rollout.temperature": 0.7})
   batch = learner.update_batches(rl, full, lengths, seq_len=64,
                                  rows_buckets=learner.row_buckets(8))[0]
   assert batch["segment_ids"].max() > 1  # packed
@@ -233,7 +238,7 @@ def test_top_k_top_p_fall_back_to_dense_with_one_warning(tiny_policy, truncation
         params, {}, tokens, segments)
     loss_fn = learner.make_policy_loss_fn(sampling_params, clip_low=0.2, clip_high=0.2,
                                           aggregation="token-mean", head="fused")
-    batch = learner.example_batch(_rl_config(), 2, 16)
+    batch = learner.example_batch(_rl_settings(), 2, 16)
     jax.eval_shape(lambda p: loss_fn(learner.nnx.merge(graphdef, p), batch), params)
   dense = learner.make_logprobs_fn(graphdef, sampling_params, head="dense")(
       params, {}, tokens, segments)
@@ -259,7 +264,7 @@ def test_truncated_completions_follow_rl_overlong(tiny_policy, mode):
   """keep trains on cut completions, mask leaves them out of the loss, penalty adds DAPO's
   punishment to the rewards the advantages come from."""
   graphdef, params = tiny_policy
-  rl = _rl_config(overlong=mode, overlong_buffer=8, **{"rollout.max_new_tokens": 12})
+  rl = _rl_settings(overlong=mode, overlong_buffer=8, **{"rollout.max_new_tokens": 12})
   rollouts = _rollouts(24, max_new_tokens=12)
   assert 0 < rollouts.truncated.sum() < 24
   learn = learner.Learner(rl, graphdef, jax.tree.map(np.copy, params), mesh=MESH,
@@ -370,8 +375,10 @@ def test_interrupt_mode_scores_diagnostics_under_the_sampling_version(monkeypatc
   monkeypatch.setattr(stage, "_teacher_forced", lambda graphdef, params, part, *a: seen.append(
       (params["v"], set(part.versions.tolist()))) or {
           "rejection": {"alpha": [0.5], "positions": [1.0]}})
-  place = placement_lib.make_placement(config, devices=jax.devices()[:1])
-  produce = stage._make_producer(config, None, {}, store, place, ("rejection",), 64)  # pylint: disable=protected-access
+  place = placement_lib.make_placement(PlacementSettings(), sharding.MeshSettings(),
+                                       devices=jax.devices()[:1])
+  produce = stage._make_producer(config, None, {}, store, place, ("rejection",), 64,  # pylint: disable=protected-access
+                                 tokenizer=CHAR)
   math = tasks_lib.get_task("math")
   batch = {"example_json": [math.sample(i // G).to_json() for i in range(3 * G)]}
   rollouts, metrics = produce(0, batch)
@@ -399,7 +406,8 @@ def test_the_rollout_side_keeps_at_most_two_versions(monkeypatch):
 
   monkeypatch.setattr(rollout, "JaxEngine", Engine)
   monkeypatch.setattr(stage, "_teacher_forced", lambda *a: {})
-  place = placement_lib.make_placement(config, devices=jax.devices()[:1])
+  place = placement_lib.make_placement(PlacementSettings(), sharding.MeshSettings(),
+                                       devices=jax.devices()[:1])
   math = tasks_lib.get_task("math")
   batch = {"example_json": [math.sample(i // G).to_json() for i in range(2 * G)]}
   for interrupt in (False, True):
@@ -409,7 +417,8 @@ def test_the_rollout_side_keeps_at_most_two_versions(monkeypatch):
     alive = weakref.ref(first)
     store = async_loop.WeightStore(first, 0)
     del first
-    produce = stage._make_producer(config, None, {}, store, place, (), 64)  # pylint: disable=protected-access
+    produce = stage._make_producer(config, None, {}, store, place, (), 64,  # pylint: disable=protected-access
+                                   tokenizer=CHAR)
     produce(0, batch)
     store.publish(lambda: jax.numpy.zeros(3), 1)
     store.publish(lambda: jax.numpy.zeros(3), 2)  # overwrites version 0's slot

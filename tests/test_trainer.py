@@ -1,5 +1,6 @@
 """Train-step pieces: gradient accumulation, parameter subsets, schedule, metrics file."""
 
+import dataclasses
 import json
 
 import jax
@@ -8,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop_jax.stages import config as config_lib
 from bebop_jax import sharding
 from bebop_jax.losses import lm
 from bebop_jax.model import config as model_config
@@ -16,6 +16,7 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
+from bebop_jax.train.settings import OptimSettings
 
 
 def _batch(b=8, t=16, seed=0):
@@ -35,7 +36,7 @@ def _one_step(trainable="all", grad_accum=1, num_steps=1):
   model = policy_lib.Policy(model_config.preset("tiny"), rngs=nnx.Rngs(0))
   graphdef, train, frozen = nnx.split(model, optimizer_lib.trainable_filter(trainable), ...)
   tx, schedule = optimizer_lib.make_optimizer(
-      config_lib.optim_defaults(warmup_steps=0, trainable=trainable), 10)
+      OptimSettings(warmup_steps=0, trainable=trainable), 10)
   mesh = sharding.make_mesh((1,), ("data",), devices=jax.devices()[:1])
   state = trainer.place_state(trainer.TrainState(train, frozen, tx.init(train), 0), mesh,
                               sharding.DEFAULT_RULES, tx)
@@ -82,13 +83,13 @@ def test_training_only_the_mtp_modules_leaves_the_policy_untouched():
 
 
 def test_schedule_warms_up_then_decays():
-  cfg = config_lib.optim_defaults(learning_rate=1.0, warmup_steps=10, end_lr_fraction=0.1)
-  sched = optimizer_lib.learning_rate_schedule(cfg, 110)
+  optim = OptimSettings(learning_rate=1.0, warmup_steps=10, end_lr_fraction=0.1)
+  sched = optimizer_lib.learning_rate_schedule(optim, 110)
   assert float(sched(0)) == 0.0 and float(sched(5)) == pytest.approx(0.5)
   assert float(sched(10)) == pytest.approx(1.0)
   assert float(sched(110)) == pytest.approx(0.1, abs=1e-6)
-  cfg.decay = "linear"
-  assert float(optimizer_lib.learning_rate_schedule(cfg, 110)(60)) == pytest.approx(0.55)
+  linear = dataclasses.replace(optim, decay="linear")
+  assert float(optimizer_lib.learning_rate_schedule(linear, 110)(60)) == pytest.approx(0.55)
 
 
 def test_weight_decay_skips_norm_scales():

@@ -26,6 +26,7 @@ from bebop_jax.model import model as policy_lib
 from bebop_jax.stages import mtp as mtp_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import trainer
+from bebop_jax.train.settings import OptimSettings
 from pallas_kernels.tv_loss import api
 from pallas_kernels.tv_loss import sharded as sharded_lib
 
@@ -301,7 +302,8 @@ def test_pod_preset_mtp_e2e_tv_step_compiles_ahead_of_time(size, capfd):
   assert dict(rules)["vocab"] == "tensor"  # the head is vocab-parallel
   graphdef, abstract = policy_lib.abstract_state(cfg)
   graphdef, trainable, frozen = mtp_lib.split(nnx.merge(graphdef, abstract), config)
-  tx, schedule = optimizer_lib.make_optimizer(config.mtp.optim, config.mtp.train.num_steps)
+  tx, schedule = optimizer_lib.make_optimizer(OptimSettings(**config.mtp.optim.to_dict()),
+                                              config.mtp.train.num_steps)
   state = trainer.TrainState(trainable, frozen, jax.eval_shape(tx.init, trainable), 0)
   rows = config.mtp.batch_size
   batch = {k: np.zeros((rows, POD_SEQ), np.int32)

@@ -1,5 +1,4 @@
 """Tokenizer, TFDS builders and grain pipelines."""
 
 from bebop_jax.data.tokenizer import (BaseTokenizer, CharTokenizer, HFTokenizer, Tokenizer,
-                                      UnknownCharacterError, UnknownTokenError, for_data,
-                                      load_tokenizer)
+                                      UnknownCharacterError, UnknownTokenError, load_tokenizer)

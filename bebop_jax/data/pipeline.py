@@ -31,13 +31,13 @@ rows; S = 1 is the one stream, as always.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import grain
 import numpy as np
 
 from bebop_jax.data import builders
-from bebop_jax.data import tokenizer as tokenizer_lib
+from bebop_jax.data.settings import DataSettings
 from bebop_jax.data.tokenizer import BaseTokenizer
 from bebop_jax.tasks import TASK_NAMES, Example, get_task
 
@@ -79,33 +79,30 @@ def tool_result_mask(tokens: np.ndarray, tokenizer: BaseTokenizer) -> np.ndarray
 _SAMPLING_KNOBS = ("diversity", "restate", "confirm", "spacing")
 
 
-def task_source(data_cfg: Mapping[str, Any], task_name: str, split: str):
+def task_source(data: DataSettings, task_name: str, split: str):
   """The array-record source of one task's split, preparing the dataset on first use."""
-  task_cfg = data_cfg["tasks"][task_name]
-  knobs = {k: v for k, v in dict(task_cfg["knobs"]).items() if k not in _SAMPLING_KNOBS}
+  knobs = {k: v for k, v in data.tasks[task_name].knobs.items() if k not in _SAMPLING_KNOBS}
   builder = builders.prepare(
-      task_name, knobs, data_dir=data_cfg["data_dir"],
-      num_train=data_cfg["num_train"], num_test=data_cfg["num_test"],
-      num_rl=data_cfg["num_rl"], seed=data_cfg["seed"])
+      task_name, knobs, data_dir=data.data_dir, num_train=data.num_train,
+      num_test=data.num_test, num_rl=data.num_rl, seed=data.seed)
   return builder.as_data_source()[split]
 
 
-def _mixture(data_cfg: Mapping[str, Any], split: str, seed: int, repeat: bool,
+def _mixture(data: DataSettings, split: str, seed: int, repeat: bool,
              shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
   """Shuffled (and optionally repeated) weighted mixture of the task datasets (of the
   `shard` = (s, S) slice of each: its examples s, s + S, ...)."""
   datasets, weights = [], []
-  names = [n for n in TASK_NAMES if data_cfg["tasks"][n]["weight"] > 0]
   index, count = _check_shard(shard)
-  for name in names:
-    ds = grain.MapDataset.source(task_source(data_cfg, name, split))
+  for name in data.task_names:
+    ds = grain.MapDataset.source(task_source(data, name, split))
     if count > 1:
       ds = ds[index::count]
     ds = ds.shuffle(seed=seed + 7919 * TASK_NAMES.index(name))
     if repeat:
       ds = ds.repeat()
     datasets.append(ds.map(lambda record, n=name: {"task": n, **record}))
-    weights.append(float(data_cfg["tasks"][name]["weight"]))
+    weights.append(float(data.tasks[name].weight))
   if len(datasets) == 1:
     return datasets[0]
   return grain.MapDataset.mix(datasets, weights)
@@ -128,27 +125,24 @@ def _as_str(value: Any) -> str:
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
+def sft_dataset(data: DataSettings, *, batch_size: int, seq_len: int,
                 packing: bool = True, seed: int = 0, split: str = "train",
                 shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
-  """Endless SFT batches (see module docstring), tokenized by `data_cfg`'s tokenizer
-  (`tokenizer_lib.for_data`); demonstrations longer than seq_len dropped.
+  """Endless SFT batches (see module docstring), tokenized by `data.loaded_tokenizer`;
+  demonstrations longer than seq_len dropped.
 
   Every visit of an example samples a fresh demonstration, `task.demonstration(example,
   key)` with a key derived from `seed` and the visit's position in the stream (so the
   stream is deterministic and resumable); with diversity 0 it is the canonical one, and so
-  it is for the first `data_cfg["canonical_examples"]` examples of the stream.
+  it is for the first `data.canonical_examples` examples of the stream.
 
   `shard` = (s, S): shard s of S (module docstring), batch_size / S rows of each global
   batch of `batch_size`; its visits' keys are those of positions s, s + S, ... .
   """
   shard_index, shard_count = _check_shard(shard)
   rows = _rows_per_shard(batch_size, shard_count, "batch_size")
-  tasks = {name: get_task(name, **dict(data_cfg["tasks"][name]["knobs"]))
-           for name in TASK_NAMES if data_cfg["tasks"][name]["weight"] > 0}
-
-  canonical_examples = int(data_cfg.get("canonical_examples", 0))
-  tok = tokenizer_lib.for_data(data_cfg)  # data_cfg's data.tokenizer / data.chat_format
+  tasks = {name: get_task(name, **data.tasks[name].knobs) for name in data.task_names}
+  canonical_examples, tok = data.canonical_examples, data.loaded_tokenizer
 
   def featurize(index, record):
     task = tasks[_as_str(record["task"])]
@@ -160,7 +154,7 @@ def sft_dataset(data_cfg: Mapping[str, Any], *, batch_size: int, seq_len: int,
       demonstration = task.demonstration(example, (seed << 40) + position)
     return sft_features(_as_str(record["prompt"]), demonstration, tok)
 
-  ds = (_mixture(data_cfg, split, seed, repeat=True, shard=shard)
+  ds = (_mixture(data, split, seed, repeat=True, shard=shard)
         .map_with_index(featurize)
         .filter(lambda ex: len(ex["tokens"]) <= seq_len)
         .to_iter_dataset(READ_OPTIONS))
@@ -187,17 +181,17 @@ def _pad_example(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarra
           "loss_mask": pad(ex["loss_mask"])}
 
 
-def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
+def rl_prompt_dataset(data: DataSettings, *, prompts_per_batch: int,
                       group_size: int, max_prompt_len: int, seed: int = 0,
                       split: str = "rl", repeat: bool = True,
                       shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
-  """Batches of prompts, tokenized by `data_cfg`'s tokenizer, each repeated `group_size`
+  """Batches of prompts, tokenized by `data.loaded_tokenizer`, each repeated `group_size`
   times (see module docstring); with `shard` = (s, S), shard s's prompts_per_batch / S
   prompts of each global batch (its group_ids count on from the shards before it)."""
   shard_index, shard_count = _check_shard(shard)
   prompts = _rows_per_shard(prompts_per_batch, shard_count, "prompts_per_batch")
   first_group = shard_index * prompts
-  tok = tokenizer_lib.for_data(data_cfg)
+  tok = data.loaded_tokenizer
 
   def featurize(record):
     ids = tok.encode_prompt(_as_str(record["prompt"]))
@@ -215,7 +209,7 @@ def rl_prompt_dataset(data_cfg: Mapping[str, Any], *, prompts_per_batch: int,
                                            dtype=np.int32), group_size)
     return out
 
-  ds = _mixture(data_cfg, split, seed, repeat=repeat, shard=shard).map(featurize)
+  ds = _mixture(data, split, seed, repeat=repeat, shard=shard).map(featurize)
   return (ds.to_iter_dataset(READ_OPTIONS)
           .batch(prompts, drop_remainder=True)
           .map(repeat_group))
@@ -263,9 +257,9 @@ def process_iterator(datasets: Sequence[grain.IterDataset]
   return ShardedBatches([iter(ds) for ds in datasets])
 
 
-def eval_examples(data_cfg: Mapping[str, Any], task_name: str, num: int,
+def eval_examples(data: DataSettings, task_name: str, num: int,
                   split: str = "test") -> list[Example]:
   """The first `num` held-out examples of one task (deterministic order)."""
-  source = task_source(data_cfg, task_name, split)
+  source = task_source(data, task_name, split)
   return [Example.from_json(_as_str(source[i]["example_json"]))
           for i in range(min(num, len(source)))]

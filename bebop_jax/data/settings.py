@@ -75,7 +75,7 @@ class DataSettings(Section):
   tokenizer: str = setting(
       tokenizer_lib.CHAR, f"{tokenizer_lib.CHAR!r} (character level), or the path of a "
       f"Hugging Face {tokenizer_lib.HF_FILE} or of a directory holding one; "
-      "stages load it with bebop_jax.data.tokenizer.for_data",
+      "checking the data section loads it (DataSettings.loaded_tokenizer)",
       allowed=_TOKENIZER_ALLOWED)
   chat_format: bool = flag(
       False, "True: prompts and completions in the checkpoint's chat format (its "

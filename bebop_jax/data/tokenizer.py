@@ -25,10 +25,11 @@ turn (`encode_prompt`); a completion writes its answer marker as plain text (a l
 then `eos_id` (`encode_completion`). So a single-turn task needs no token the pretrained
 model has not seen. Multi-turn tasks keep their call and result markers (added tokens).
 
-There is no active tokenizer: code that tokenizes is handed one. `load_tokenizer(spec)` (or
-`for_data(config.data)`, the config's `data.tokenizer` and `data.chat_format`) gives it; a
-stage gets it once and passes it down (rollout engines, decoding episodes, the SFT
-features), and functions that receive the config's data section call `for_data` themselves.
+There is no active tokenizer: code that tokenizes is handed one. `load_tokenizer(spec)` gives
+it (a config's data settings load theirs, `DataSettings.loaded_tokenizer`: `data.tokenizer`
+and `data.chat_format`); a stage gets it once and passes it down (rollout engines, decoding
+episodes, the SFT features), and the grain pipelines, which take the data settings, use
+their `loaded_tokenizer`.
 """
 
 from __future__ import annotations
@@ -429,13 +430,6 @@ def load_tokenizer(spec: str, *, pad_to_multiple: int = 128,
   path = resolve_tokenizer_path(spec)
   st = os.stat(path)
   return _load_hf(path, st.st_mtime_ns, st.st_size, pad_to_multiple, bool(chat_format))
-
-
-def for_data(data_config) -> BaseTokenizer:
-  """The tokenizer of a config's `data` section (a ConfigDict or a mapping: `tokenizer`,
-  `chat_format`); the same instance on every call (see `load_tokenizer`)."""
-  return load_tokenizer(data_config["tokenizer"],
-                        chat_format=bool(data_config.get("chat_format", False)))
 
 
 @functools.cache

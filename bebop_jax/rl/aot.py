@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of both RL programs on a split placement, from abstract state.
 
-`compile_programs(config)` lowers and compiles, without materialising a single parameter:
+`compile_programs(settings)` (a config's typed settings, bebop_jax.settings.Settings) lowers
+and compiles, without materialising a single parameter:
   learner  the policy update (train/trainer.py's train step with learner.py's policy loss),
            as `Learner` builds it for its longest length bucket (max_prompt_len +
            max_new_tokens) and one update's rows (prompts_per_batch x group_size /
@@ -29,10 +30,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from bebop_jax import settings as settings_lib
 from bebop_jax import sharding
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import batching, sampling, speculative
-from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
 from bebop_jax.rl import learner as learner_lib
 from bebop_jax.rl import placement as placement_lib
@@ -69,19 +69,19 @@ def _mesh_info(mesh) -> dict[str, Any]:
           "devices": sorted(int(d.id) for d in mesh.devices.flat)}
 
 
-def abstract_policy(config: Any) -> tuple[nnx.GraphDef, nnx.State]:
-  """(graphdef, abstract parameters) of `config.model`: ShapeDtypeStructs, nothing
+def abstract_policy(settings: settings_lib.Settings) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, abstract parameters) of `settings.model`: ShapeDtypeStructs, nothing
   materialised."""
-  return policy_lib.abstract_state(model_config.ModelConfig.from_dict(config.model.to_dict()))
+  return policy_lib.abstract_state(settings.model)
 
 
-def compile_learner(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
+def compile_learner(settings: settings_lib.Settings, graphdef: nnx.GraphDef, abstract: nnx.State,
                     placement: placement_lib.Placement, *, length: int
                     ) -> tuple[trainer.CompiledStep, dict[str, Any]]:
   """(the compiled policy update on the learner mesh, its description): the same pieces as
   `Learner` (trunk / MTP split, rl.optim's optimizer and schedule, the policy loss, the
   shared train step) on abstract parameters and optimizer state."""
-  rl = config.rl
+  rl = settings.rl
   rows = rl.prompts_per_batch * rl.group_size // rl.minibatches
   model = nnx.merge(graphdef, abstract)
   graphdef, trunk, mtp = nnx.split(model, optimizer_lib.trainable_filter("main"), ...)
@@ -117,7 +117,7 @@ def compile_learner(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   return compiled, info
 
 
-def compile_rollout(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
+def compile_rollout(settings: settings_lib.Settings, graphdef: nnx.GraphDef, abstract: nnx.State,
                     placement: placement_lib.Placement, *, prompt_len: int,
                     completion_len: int) -> tuple[Any, dict[str, Any]]:
   """(the compiled first rollout turn on the rollout mesh, its description):
@@ -125,15 +125,15 @@ def compile_rollout(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   rl.rollout.batch_size rows of `prompt_len` prompt positions and a completion budget of
   `completion_len`, the parameters placed by the rollout shardings, traced under the rollout
   context (its activation constraints)."""
-  r = config.rl.rollout
+  r = settings.rl.rollout
   if r.engine != "speculative":
     raise AotError(f"config.rl.rollout.engine={r.engine!r} is not allowed here: only "
                    "'speculative' rollouts (speculative.start) are compiled ahead of time")
   params = sampling.SamplingParams(r.temperature, r.top_k, r.top_p)
   mode = "exact" if params.greedy else r.mode
-  k = r.num_draft_steps or config.model.num_draft_steps
+  k = r.num_draft_steps or settings.model.num_draft_steps
   b = r.batch_size
-  tok = tokenizer_lib.for_data(config.data)
+  tok = settings.data.loaded_tokenizer
   stop_tokens = (int(tok.eos_id), int(tok.call_end_id))
   mesh, rules = placement.rollout_mesh, placement.rollout_rules
   param_sh = placement.rollout_shardings(abstract)
@@ -167,13 +167,14 @@ def compile_rollout(config: Any, graphdef: nnx.GraphDef, abstract: nnx.State,
   return compiled, info
 
 
-def compile_programs(config: Any, devices: Sequence[Any] | None = None, *,
+def compile_programs(settings: settings_lib.Settings, devices: Sequence[Any] | None = None, *,
                      prompt_len: int | None = None, completion_len: int | None = None,
                      learner_only: bool = False) -> dict[str, Any]:
-  """Compiles the learner's policy update and the rollout program of a split `config` over
-  `devices` (default `jax.devices()`) from abstract state; see the module docstring.
+  """Compiles the learner's policy update and the rollout program of a split config's
+  `settings` over `devices` (default `jax.devices()`) from abstract state; see the module
+  docstring.
 
-  prompt_len: the rollout's prompt bucket (default: the smallest of config.eval.prompt_buckets
+  prompt_len: the rollout's prompt bucket (default: the smallest of eval.prompt_buckets
     holding rl.max_prompt_len); completion_len: the completion budget (default
     rl.rollout.max_new_tokens). The learner's length is rl.max_prompt_len + completion_len.
 
@@ -189,23 +190,23 @@ def compile_programs(config: Any, devices: Sequence[Any] | None = None, *,
     PlacementError: when the placement does not fit the devices.
   """
   devices = list(jax.devices() if devices is None else devices)
-  mode = config.rl.placement.mode
+  rl = settings.rl
+  mode = rl.placement.mode
   if mode != "split":
     raise AotError(f"config.rl.placement.mode={mode!r} is not allowed here: only 'split' "
                    "placements (learner and rollouts on disjoint sub-meshes) are compiled "
                    "ahead of time")
-  placement = placement_lib.make_placement(config, devices)
-  rl = config.rl
+  placement = placement_lib.make_placement(rl.placement, settings.mesh, devices)
   if completion_len is None:
     completion_len = rl.rollout.max_new_tokens
   if prompt_len is None:
-    prompt_len = batching.bucket(rl.max_prompt_len, tuple(config.eval.prompt_buckets))
+    prompt_len = batching.bucket(rl.max_prompt_len, tuple(settings.eval.prompt_buckets))
   if prompt_len < rl.max_prompt_len:
     raise AotError(f"prompt_len={prompt_len} is not allowed: must hold "
                    f"rl.max_prompt_len={rl.max_prompt_len}")
-  graphdef, abstract = abstract_policy(config)
+  graphdef, abstract = abstract_policy(settings)
 
-  learner_c, learner_info = compile_learner(config, graphdef, abstract, placement,
+  learner_c, learner_info = compile_learner(settings, graphdef, abstract, placement,
                                             length=rl.max_prompt_len + completion_len)
   learner_info.update(compile_s=learner_c.compile_seconds, memory=learner_c.memory,
                       mesh=_mesh_info(placement.learner_mesh),
@@ -213,7 +214,7 @@ def compile_programs(config: Any, devices: Sequence[Any] | None = None, *,
   if learner_only:
     return {"placement": placement.describe(), "num_devices": len(devices),
             "learner": learner_info}
-  rollout_c, rollout_info = compile_rollout(config, graphdef, abstract, placement,
+  rollout_c, rollout_info = compile_rollout(settings, graphdef, abstract, placement,
                                             prompt_len=prompt_len,
                                             completion_len=completion_len)
   rollout_info.update(mesh=_mesh_info(placement.rollout_mesh),

@@ -47,6 +47,7 @@ from bebop_jax.losses import head as head_lib
 from bebop_jax.losses import mtp as mtp_losses
 from bebop_jax.model.model import shift_left
 from bebop_jax.rl import algorithms
+from bebop_jax.rl.settings import RLSettings
 from bebop_jax.rollout import Rollouts
 from bebop_jax.train import flops as flops_lib
 from bebop_jax.train import metrics as metrics_lib
@@ -79,7 +80,7 @@ def learner_batch(rollouts: Rollouts, advantages: np.ndarray, seq_len: int,
           "advantages": np.asarray(advantages, np.float32).reshape(b)}
 
 
-def drgrpo_norm(rl: Any) -> float:
+def drgrpo_norm(rl: RLSettings) -> float:
   """Dr. GRPO's constant normaliser (seq-mean-token-sum-norm): the configured rows per
   update (prompts_per_batch x group_size / minibatches) x the generation budget
   (rollout.max_new_tokens). The same in every step, whatever the padded width of the
@@ -112,7 +113,7 @@ def pack_rows(part: Mapping[str, np.ndarray], lengths: np.ndarray, bins: list[li
   return packing.pack(fields, lengths, bins, rows, length, dtypes)
 
 
-def update_batches(rl: Any, full: Mapping[str, np.ndarray], lengths: np.ndarray, *,
+def update_batches(rl: RLSettings, full: Mapping[str, np.ndarray], lengths: np.ndarray, *,
                    seq_len: int, rows_buckets: tuple[int, ...]) -> list[dict[str, np.ndarray]]:
   """The update batches (module docstring) of a row-per-rollout batch `full` (per-row
   advantages; ref/proximal log-probs where used) whose rollouts have `lengths` tokens: one
@@ -134,7 +135,7 @@ def update_batches(rl: Any, full: Mapping[str, np.ndarray], lengths: np.ndarray,
   return [pack_rows(p, n, b, rows, length) for p, n, b in zip(parts, sizes, bins)]
 
 
-def example_batch(rl: Any, rows: int, length: int, *, proximal: bool = False
+def example_batch(rl: RLSettings, rows: int, length: int, *, proximal: bool = False
                   ) -> dict[str, np.ndarray]:
   """An all-zero update batch of `rows` x `length` (for compiling): with ref_logprobs under
   a KL term and, with `proximal`, proximal_logprobs (the decoupled objective's stale
@@ -327,14 +328,14 @@ class Learner:
   longest), the largest ahead of time; a run compiles a handful of shapes and nothing in
   steady state.
 
-  `rl` is the validated `config.rl` section; `params` the policy's parameters (trunk and MTP
+  `rl` is the RL settings (`config.rl`, typed); `params` the policy's parameters (trunk and MTP
   modules); `seq_len` the longest rollout (max prompt + completion budget); `mtp_head`
   config.mtp.head (the drafter update's losses, losses.mtp.HEADS). The policy update, the
   proximal and the reference log-probs use rl.head (`resolve_head`: dense under top-k /
   top-p truncation).
   """
 
-  def __init__(self, rl: Any, graphdef: nnx.GraphDef, params: nnx.State, *, mesh, rules,
+  def __init__(self, rl: RLSettings, graphdef: nnx.GraphDef, params: nnx.State, *, mesh, rules,
                seq_len: int, mtp_head: str = "fused"):
     self.rl, self.seq_len, self.mesh, self.rules = rl, seq_len, mesh, rules
     self.buckets = length_buckets(seq_len)

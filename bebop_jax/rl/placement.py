@@ -1,6 +1,6 @@
 """Where the RL learner and the rollout programs run: one mesh, or two disjoint sub-meshes.
 
-`config.rl.placement`:
+`config.rl.placement` (typed: rl/settings.py's PlacementSettings):
   mode             "colocated" (default): the learner on `config.mesh` over every device, the
                    rollouts on the first device (one process, one set of devices; with
                    several processes, each samples its share on its own first device);
@@ -23,13 +23,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bebop_jax import multihost
 from bebop_jax import sharding
+
+if TYPE_CHECKING:  # rl/settings.py imports this module (MODES, split_devices)
+  from bebop_jax.rl.settings import PlacementSettings
 
 MODES = ("colocated", "split")
 
@@ -118,22 +121,23 @@ class Placement:
             f" rollouts {self.rollout_mesh.devices.size} devices ({shape(self.rollout_mesh)})")
 
 
-def _mesh(section: Any, devices: Sequence[Any], key: str) -> Mesh:
+def _mesh(section: sharding.MeshSettings, devices: Sequence[Any], key: str) -> Mesh:
   try:
     return sharding.make_mesh(section.shape, section.axes, devices=devices)
   except sharding.MeshError as e:
     raise PlacementError(f"{key} does not fit its {len(devices)} devices: {e}") from e
 
 
-def make_placement(config: Any, devices: Sequence[Any] | None = None) -> Placement:
-  """The placement of `config.rl.placement` over `devices` (default: `jax.devices()`).
+def make_placement(p: PlacementSettings, mesh: sharding.MeshSettings,
+                   devices: Sequence[Any] | None = None) -> Placement:
+  """The placement `p` (rl.placement) over `devices` (default: `jax.devices()`); `mesh`
+  (config.mesh) is the learner's when colocated.
 
   Raises:
     PlacementError: for an unknown mode, or counts or meshes that do not fit the devices.
   """
   given = devices is not None
   devices = list(jax.devices() if devices is None else devices)
-  p = config.rl.placement
   if p.mode not in MODES:
     raise PlacementError(f"rl.placement.mode={p.mode!r} is not allowed: one of {MODES}")
   if multihost.process_count() > 1 and p.mode != "colocated":
@@ -142,12 +146,12 @@ def make_placement(config: Any, devices: Sequence[Any] | None = None) -> Placeme
                          "process on its first device)")
   if p.mode == "colocated":
     try:
-      learner = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=devices)
+      learner = sharding.make_mesh(mesh.shape, mesh.axes, devices=devices)
     except sharding.MeshError as e:
       raise PlacementError(f"config.mesh does not fit the {len(devices)} devices: {e}") from e
     # Rollouts on one device of this process: the first (with one process, device 0).
     first = Mesh(devices[:1] if given else [multihost.local_device()], ("data",))
-    return Placement("colocated", learner, tuple(tuple(r) for r in config.mesh.rules), first, ())
+    return Placement("colocated", learner, tuple(tuple(r) for r in mesh.rules), first, ())
   learner_devices, rollout_devices = split_devices(p.learner_devices, p.rollout_devices, devices)
   return Placement(
       "split",

@@ -3,7 +3,7 @@
 Evaluation, MTP self-distillation and RL all sample through a `RolloutEngine`:
 
     engine = JaxEngine(graphdef, params, tasks, RolloutSettings(engine="speculative"),
-                       tokenizer=tokenizer_lib.for_data(config.data))
+                       tokenizer=settings.data.loaded_tokenizer)
     rollouts = engine.generate(examples, jax.random.key(0))
     rollouts.rewards, rollouts.logprobs, rollouts.acceptance() ...
 

@@ -27,7 +27,8 @@ from bebop_jax.stages import lineage
 
 def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Prepares every task dataset, prints examples with their rewards, checks both pipelines."""
-  d = config.data
+  settings = config_lib.settings(config)
+  d = settings.data
   report = {"tasks": {}}
   for name in tasks_lib.TASK_NAMES:
     if d.tasks[name].weight <= 0:
@@ -35,7 +36,7 @@ def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     start = time.perf_counter()
     source = pipeline.task_source(d, name, "train")
     task = tasks_lib.get_task(name, **d.tasks[name].knobs)
-    examples = pipeline.eval_examples(d, name, config.preview.examples_per_task)
+    examples = pipeline.eval_examples(d, name, settings.preview.examples_per_task)
     report["tasks"][name] = {"num_train": len(source), "num_test": d.num_test,
                              "num_rl": d.num_rl,
                              "prepare_s": round(time.perf_counter() - start, 2)}
@@ -48,15 +49,15 @@ def data_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
             f"reward(first half of it) = {task.reward(ex, wrong):.2f}")
 
   batch = next(iter(pipeline.sft_dataset(d, batch_size=d.batch_size, seq_len=d.seq_len,
-                                         packing=d.packing, seed=config.seed)))
+                                         packing=d.packing, seed=settings.seed)))
   fill = float((batch["segment_ids"] > 0).mean())
   targets = float(batch["loss_mask"].mean())
   print(f"\nSFT batch: tokens {batch['tokens'].shape}, {fill:.1%} of positions filled, "
         f"{targets:.1%} are loss targets")
-  r = config.rl
+  r = settings.rl
   rl = next(iter(pipeline.rl_prompt_dataset(
       d, prompts_per_batch=r.prompts_per_batch, group_size=r.group_size,
-      max_prompt_len=r.max_prompt_len, seed=config.seed)))
+      max_prompt_len=r.max_prompt_len, seed=settings.seed)))
   print(f"RL prompt batch: prompt_tokens {rl['prompt_tokens'].shape}, "
         f"group_ids {rl['group_ids'].tolist()}")
   report["sft_batch"] = {"shape": list(batch["tokens"].shape), "fill": fill,
@@ -128,9 +129,9 @@ def prepare_datasets(config: ml_collections.ConfigDict) -> None:
   if multihost.process_count() == 1:
     return
   if multihost.is_primary():
-    for name in tasks_lib.TASK_NAMES:
-      if config.data.tasks[name].weight > 0:
-        pipeline.task_source(config.data, name, "train")
+    data = config_lib.settings(config).data
+    for name in data.task_names:
+      pipeline.task_source(data, name, "train")
   multihost.barrier("datasets")
 
 
@@ -139,7 +140,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, release_compiled: bool 
   compiled programs after each stage (compilation.release_compiled: a long job on CPU would
   otherwise run out of memory maps); a caller running many small stages of one model keeps
   them, and later stages reuse the traced and compiled programs of earlier ones. Each
-  stage tokenizes with the config's `data.tokenizer` (`data.tokenizer.for_data(config.data)`,
+  stage tokenizes with the config's `data.tokenizer` (its data settings' `loaded_tokenizer`,
   passed down to what tokenizes); no tokenizer is set for the stages or left behind.
   <workdir>/timing.json gets each stage's seconds and, under "compile", the seconds of them
   spent compiling and the persistent compilation cache's hits (metrics.compile_stats); the

@@ -71,7 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.num_test = 256
   c.data.num_rl = 1024  # RL training prompts per task (in neither train nor test)
   # "char" (character level), or the path of a Hugging Face tokenizer.json or of a directory
-  # holding one; code that tokenizes loads it with bebop_jax.data.tokenizer.for_data.
+  # holding one; the typed data settings load it (settings(config).data.loaded_tokenizer).
   c.data.tokenizer = tokenizer_lib.CHAR
   # True: prompts and completions in the checkpoint's chat format (its tokenizer_config.json
   # chat template; plain-text answer lines; the template's end of turn as eos).
@@ -362,7 +362,8 @@ def settings(config: ml_collections.ConfigDict) -> settings_lib.Settings:
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks keys, types and values (`settings`; it loads data.tokenizer to check the
   vocabulary size); returns the config unchanged or raises ConfigError. It sets nothing:
-  code that tokenizes gets the tokenizer with `tokenizer_lib.for_data(config.data)`."""
+  code that tokenizes gets the tokenizer from the settings, `settings(config).data
+  .loaded_tokenizer`."""
   settings(config)
   return config
 

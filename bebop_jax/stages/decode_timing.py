@@ -26,21 +26,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bebop_jax import tasks as tasks_lib
 from bebop_jax.compilation import release_compiled
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
-
 from bebop_jax.decoding import autoregressive, diagnostics, sampling, segments, speculative
 from bebop_jax.decoding.batching import pad_rows
+from bebop_jax.stages import config as config_lib
 
 
 def _examples(config, batch: int, num_prompts: int) -> list:
   """The held-out examples of `prompt_batches`, in its order."""
-  examples = []
-  for name in tasks_lib.TASK_NAMES:
-    if config.data.tasks[name].weight > 0:
-      examples += pipeline.eval_examples(config.data, name, 64)
+  data = config_lib.settings(config).data
+  examples = [ex for name in data.task_names for ex in pipeline.eval_examples(data, name, 64)]
   order = np.random.default_rng(0).permutation(len(examples))
   total = -(-max(batch, num_prompts) // batch) * batch
   return [examples[order[i % len(order)]] for i in range(total)]
@@ -51,7 +47,7 @@ def prompt_batches(config, batch: int, num_prompts: int, prompt_buckets=None) ->
   encoded by config.data's tokenizer, in batches of `batch` rows, each right-padded to its
   prompt bucket (as a server buckets requests; each loop compiles once per bucket, before
   timing)."""
-  tok = tokenizer_lib.for_data(config.data)
+  tok = config_lib.settings(config).data.loaded_tokenizer
   ids = [tok.encode_prompt(ex.prompt) for ex in _examples(config, batch, num_prompts)]
   buckets = prompt_buckets or tuple(config.eval.prompt_buckets)
   return [pad_rows(ids[start:start + batch], batch, buckets, fill_id=tok.bos_id)
@@ -171,7 +167,7 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
       raise ValueError(f"draft length {k} is not allowed: must be in [1, {k_drafter}]")
   # Stop where a real rollout turn stops (end of sequence, end of a tool call); both loops
   # stop on the same tokens.
-  tok = tokenizer_lib.for_data(config.data)
+  tok = config_lib.settings(config).data.loaded_tokenizer
   stop = (tok.eos_id, tok.call_end_id)
   results = []
   for b in batch_sizes:

@@ -20,6 +20,7 @@ from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import drafter_store as drafter_store_lib
 from bebop_jax.data import pipeline
 from bebop_jax.data import tokenizer as tokenizer_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.stages import lineage
 from bebop_jax.stages import rollouts
 from bebop_jax.train import drafter
@@ -33,7 +34,7 @@ def store_key(config: ml_collections.ConfigDict) -> str:
          "seed": config.seed, "tasks": d.tasks.to_dict(), "data_seed": d.seed,
          "num_train": d.num_train, "num_test": d.num_test}
   if d.tokenizer != tokenizer_lib.CHAR:  # the store holds ids; char stores keep their names
-    key["tokenizer"] = tokenizer_lib.for_data(d).fingerprint
+    key["tokenizer"] = config_lib.settings(config).data.loaded_tokenizer.fingerprint
   blob = json.dumps(key, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -43,10 +44,6 @@ def drafter_store(config: ml_collections.ConfigDict, workdir: str) -> drafter_st
   <sft workdir>/drafter_data/<store_key>, shared by every objective and seed."""
   return drafter_store_lib.DrafterStore(
       os.path.join(lineage.sft_workdir(config, workdir), "drafter_data", store_key(config)))
-
-
-def split_examples(config, split: str, per_task: dict[str, int]) -> dict[str, list]:
-  return {n: pipeline.eval_examples(config.data, n, k, split=split) for n, k in per_task.items()}
 
 
 def prompts_per_task(config, total: int) -> dict[str, int]:
@@ -72,15 +69,16 @@ def policy_rollouts(config: ml_collections.ConfigDict, graphdef, params, split: 
   (`drafter_dataset` stores them)."""
   if return_hidden is None:
     return_hidden = engine == "autoregressive"
-  m = config.mtp
-  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in per_task}
+  m, data = config.mtp, config_lib.settings(config).data
+  task_objs = {n: tasks_lib.get_task(n, **data.tasks[n].knobs) for n in per_task}
+  examples = {n: pipeline.eval_examples(data, n, k, split=split) for n, k in per_task.items()}
   return drafter.sample_rollouts(
-      graphdef, params, split_examples(config, split, per_task), task_objs,
+      graphdef, params, examples, task_objs,
       jax.random.key(config.seed + (17 if split == "train" else 29)),
       rollouts.eval_settings(config, engine=engine, temperature=m.temperature, top_k=0,
                           top_p=1.0, max_new_tokens=m.data.max_new_tokens,
                           batch_size=m.data.batch_size, return_hidden=return_hidden),
-      tokenizer=tokenizer_lib.for_data(config.data), progress=progress, desc=desc)
+      tokenizer=data.loaded_tokenizer, progress=progress, desc=desc)
 
 
 def drafter_dataset(config: ml_collections.ConfigDict, graphdef, params,

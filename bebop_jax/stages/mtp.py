@@ -43,7 +43,6 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.decoding import diagnostics
 from bebop_jax.decoding import draft_vocab as draft_vocab_lib
 from bebop_jax.losses import mtp as mtp_losses
@@ -56,6 +55,7 @@ from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
 from bebop_jax.train import drafter
 from bebop_jax.train import trainer
+from bebop_jax.stages import config as config_lib
 from bebop_jax.stages import drafter_data
 from bebop_jax.stages import lineage
 from bebop_jax.stages import rollouts
@@ -83,7 +83,7 @@ def online_evaluation(config: ml_collections.ConfigDict, graphdef, params, examp
   the policy tokens verifications emitted per verification), pass@1, overall and per task,
   and seconds. `draft_vocab`: the drafter's reduced vocabulary (None: the whole head)."""
   results = {}
-  tok = tokenizer_lib.for_data(config.data)
+  tok = config_lib.settings(config).data.loaded_tokenizer
   for mode in modes:
     start = time.perf_counter()
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollouts.eval_settings(
@@ -223,6 +223,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if done is not None:
     print(f"[mtp] complete in {lineage.stage_dir(workdir, 'mtp')} (loss {done['loss']}): skipping")
     return done
+  settings = config_lib.settings(config)
   m = config.mtp
   source = lineage.sft_workdir(config, workdir)
   if lineage.read_summary(source, "sft") is None and not lineage.uses_pretrained(config, source):
@@ -267,7 +268,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     lineage.write_draft_counts(workdir, counts)
   vocab, vocab_info = None, {"size": 0}
   if m.draft_vocab:
-    tok = tokenizer_lib.for_data(config.data)
+    tok = settings.data.loaded_tokenizer
     vocab = draft_vocab_lib.top_tokens(counts, m.draft_vocab, (tok.eos_id, tok.call_end_id))
     if multihost.is_primary():
       np.save(lineage.stored_vocabulary_path(workdir), vocab)
@@ -293,7 +294,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs)
                for n in drafter_data.heldout_tasks(config)}
-  examples = {n: pipeline.eval_examples(config.data, n, k)
+  examples = {n: pipeline.eval_examples(settings.data, n, k)
               for n, k in drafter_data.heldout_tasks(config).items()}
   hidden_rms = 1.0
   if features is not None:
@@ -327,7 +328,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     print(f"[mtp] initial drafter ({m.init}): {_describe(before)}")
 
   num_steps = m.train.num_steps
-  tx, schedule = optimizer_lib.make_optimizer(m.optim, num_steps)
+  tx, schedule = optimizer_lib.make_optimizer(settings.mtp.optim, num_steps)
   state = trainer.place_state(
       trainer.TrainState(trainable, frozen, tx.init(trainable), 0), mesh, rules, tx)
   # This process's shards of every batch (rows of the same global batches for any number).

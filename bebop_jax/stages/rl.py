@@ -106,7 +106,7 @@ def draft_vocabulary(config: ml_collections.ConfigDict, workdir: str
   if lineage.read_summary(source, "mtp") is None:
     raise FileNotFoundError(f"rl.rollout.draft_vocab={size} needs the drafter's token "
                             f"counts: no completed MTP stage in {source}")
-  tok = tokenizer_lib.for_data(config.data)
+  tok = config_lib.settings(config).data.loaded_tokenizer
   ids, cover = lineage.draft_vocabulary(source, size,
                                           always=(tok.eos_id, tok.call_end_id))
   print(f"[rl] draft vocabulary: {size} tokens, {cover:.1%} of the drafter's training tokens")
@@ -137,6 +137,7 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
   rewards (for code, the fraction of test cases passed). The same key every time, so
   evaluations along a run are paired."""
   start = time.perf_counter()
+  tok = config_lib.settings(config).data.loaded_tokenizer
   per_mode, solved, rewards = {}, {}, {}
   bar = metrics_lib.Progress(
       len(config.rl.eval.modes) * sum(len(e) for e in examples.values()), 0,
@@ -144,7 +145,7 @@ def evaluate(config: ml_collections.ConfigDict, graphdef, params, examples, task
   for mode in config.rl.eval.modes:
     engine = rollout.JaxEngine(graphdef, params, task_objs, rollouts.rl_settings(
         config, seeds, engine="speculative", mode=mode, batch_size=config.eval.batch_size,
-        draft_vocab=draft_vocab), tokenizer=tokenizer_lib.for_data(config.data))
+        draft_vocab=draft_vocab), tokenizer=tok)
     by_task = evaluation.rollouts_by_task(engine, examples, seed=config.seed + 7,
                                           on_task=bar.update)
     both = rollout.Rollouts.concatenate(list(by_task.values()))
@@ -220,7 +221,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if done is not None:
     print(f"[rl] complete in {lineage.stage_dir(workdir, 'rl')} ({done['steps']} steps): skipping")
     return done
-  c = config.rl
+  settings = config_lib.settings(config)
+  c = settings.rl
   asynchronous = c.asynchronous
   eta = asynchronous.max_staleness if asynchronous.enabled else 0
   if asynchronous.enabled and multihost.process_count() > 1:
@@ -230,7 +232,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         f"{multihost.process_count()}: use the synchronous loop")
   os.makedirs(lineage.stage_dir(workdir, "rl"), exist_ok=True)
   stage_start = time.perf_counter()
-  place = placement_lib.make_placement(config)
+  place = placement_lib.make_placement(c.placement, settings.mesh)
   graphdef, params0, source = load_initial_policy(config, workdir)
   draft_vocab = draft_vocabulary(config, workdir)
   seeds = drafter_acceptance(config, workdir)
@@ -244,10 +246,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         f"stage, MTP strategy {c.mtp.strategy}); {loop}; {place.describe()}")
 
   # This process's shards of the prompt stream: its prompts of every batch.
-  shards, local = multihost.data_shards(config.data.shards)
+  data = settings.data
+  shards, local = multihost.data_shards(data.shards)
   prompts = pipeline.process_iterator([pipeline.rl_prompt_dataset(
-      config.data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
-      max_prompt_len=c.max_prompt_len, seed=config.seed, shard=(s, shards)) for s in local])
+      data, prompts_per_batch=c.prompts_per_batch, group_size=c.group_size,
+      max_prompt_len=c.max_prompt_len, seed=settings.seed, shard=(s, shards)) for s in local])
   checkpointer = checkpoint_lib.Checkpointer(
       checkpoint_lib.checkpoint_dir(workdir, STAGE), keep_last=c.train.keep_checkpoints)
   start_step = 0
@@ -262,9 +265,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # The rollout side samples with its own copy of each version's parameters: the newest in
   # the weight store (version = RL steps done).
   store = async_loop.WeightStore(place.to_rollout(learn.params()), start_step)
-  names = [n for n in tasks_lib.TASK_NAMES if config.data.tasks[n].weight > 0]
-  task_objs = {n: tasks_lib.get_task(n, **config.data.tasks[n].knobs) for n in names}
-  examples = {n: pipeline.eval_examples(config.data, n, c.eval.num_examples) for n in names}
+  task_objs = {n: tasks_lib.get_task(n, **data.tasks[n].knobs) for n in data.task_names}
+  examples = {n: pipeline.eval_examples(data, n, c.eval.num_examples) for n in data.task_names}
 
   def held_out() -> dict[str, Any]:
     def evaluate_newest() -> dict[str, Any]:
@@ -286,7 +288,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   end = min(num_steps, c.train.stop_at_step) if c.train.stop_at_step else num_steps
   produce = _make_producer(config, graphdef, task_objs, store, place,
                            tuple(c.acceptance_modes), learn.seq_len, draft_vocab, seeds,
-                           shards=(shards, local))
+                           shards=(shards, local), tokenizer=data.loaded_tokenizer)
 
   def draw():
     batch = next(prompts)
@@ -374,10 +376,12 @@ def _describe_timing(summary: dict) -> str:
 def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
                    place: placement_lib.Placement, tf_modes, pack_length: int,
                    draft_vocab: tuple[int, ...] | None = None, seeds=None,
-                   shards: tuple[int, tuple[int, ...]] = (1, (0,))):
+                   shards: tuple[int, tuple[int, ...]] = (1, (0,)), *,
+                   tokenizer: tokenizer_lib.BaseTokenizer):
   """produce(index, prompt batch) -> (rollouts, rollout-side metrics): batch `index` sampled
-  on the rollout side with the newest weights in `store`, rollout key fold_in(seed + 101,
-  index), and the teacher-forced acceptance of its rows under the version that sampled them.
+  on the rollout side with the newest weights in `store` (the engine tokenizing with
+  `tokenizer`, the config's), rollout key fold_in(seed + 101, index), and the teacher-forced
+  acceptance of its rows under the version that sampled them.
 
   `shards` = (S, this process's shards): with S > 1 the prompt batch holds this process's
   shards' prompts, each shard s sampled on its own with key fold_in(that key, s); the
@@ -395,7 +399,7 @@ def _make_producer(config, graphdef, task_objs, store: async_loop.WeightStore,
   with store.read() as (params, version):
     engine = rollout.JaxEngine(graphdef, params, task_objs,
                                rollouts.rl_settings(config, seeds, draft_vocab=draft_vocab),
-                               tokenizer=tokenizer_lib.for_data(config.data),
+                               tokenizer=tokenizer,
                                policy_version=version)
   engine.release_params()
   del params

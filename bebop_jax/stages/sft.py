@@ -28,12 +28,12 @@ from bebop_jax import rollout
 from bebop_jax import sharding
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
-from bebop_jax.data import tokenizer as tokenizer_lib
 from bebop_jax.losses import lm
 from bebop_jax.model import model as policy_lib
 from bebop_jax.model.config import ModelConfig
 from bebop_jax.train import checkpoint as checkpoint_lib
 from bebop_jax.train import flops as flops_lib
+from bebop_jax.stages import config as config_lib
 from bebop_jax.stages import lineage
 from bebop_jax.train import metrics as metrics_lib
 from bebop_jax.train import optimizer as optimizer_lib
@@ -45,11 +45,10 @@ STAGE = "sft"
 
 def make_eval_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
   """(TrainState -> {"<task>/t<T>": pass@1, "pass_at_1_mean": ...}) over held-out examples."""
-  d, e = config.data, config.eval
-  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
-  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
-  examples = {n: pipeline.eval_examples(d, n, e.num_examples) for n in names}
-  tok = tokenizer_lib.for_data(d)
+  d, e = config_lib.settings(config).data, config.eval
+  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in d.task_names}
+  examples = {n: pipeline.eval_examples(d, n, e.num_examples) for n in d.task_names}
+  tok = d.loaded_tokenizer
 
   def eval_fn(state: trainer.TrainState) -> dict[str, float]:
     # With several processes, process 0 evaluates on its own device and tells the others.
@@ -77,13 +76,12 @@ def heldout_rollouts(config: ml_collections.ConfigDict, graphdef, params, *,
                      num_examples: int, seed: int) -> dict[str, rollout.Rollouts]:
   """{task: one autoregressive rollout per held-out prompt} at temperature 1 without
   top-k/top-p, over the first `num_examples` test prompts of every task with weight > 0."""
-  d = config.data
-  names = [n for n in tasks_lib.TASK_NAMES if d.tasks[n].weight > 0]
-  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in names}
-  examples = {n: pipeline.eval_examples(d, n, num_examples) for n in names}
+  d = config_lib.settings(config).data
+  task_objs = {n: tasks_lib.get_task(n, **d.tasks[n].knobs) for n in d.task_names}
+  examples = {n: pipeline.eval_examples(d, n, num_examples) for n in d.task_names}
   engine = rollout.JaxEngine(graphdef, params, task_objs, rollouts.eval_settings(
       config, engine="autoregressive", temperature=1.0, top_k=0, top_p=1.0),
-      tokenizer=tokenizer_lib.for_data(d))
+      tokenizer=d.loaded_tokenizer)
   return evaluation.rollouts_by_task(engine, examples, seed=seed)
 
 
@@ -120,7 +118,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     print(f"[sft] complete in {lineage.stage_dir(workdir, 'sft')} (step {done['steps']}): skipping")
     return done
   os.makedirs(lineage.stage_dir(workdir, "sft"), exist_ok=True)
-  s, d = config.sft, config.data
+  settings = config_lib.settings(config)
+  s, d = settings.sft, settings.data
   model_cfg = ModelConfig.from_dict(config.model.to_dict())
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   rules = tuple(tuple(r) for r in config.mesh.rules)

@@ -1,46 +1,50 @@
-"""Optimizer from config: AdamW, warmup then cosine/linear/constant decay, global-norm
-clipping; and the parameter subsets a stage may train."""
+"""A stage's optimizer from its typed settings (`OptimSettings`, bebop_jax/train/settings.py):
+AdamW, warmup then cosine/linear/constant decay, global-norm clipping; and the parameter
+subsets a stage may train."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import optax
 from flax import nnx
 
+if TYPE_CHECKING:  # train/settings.py imports this module (DECAYS, TRAINABLE)
+  from bebop_jax.train.settings import OptimSettings
+
 DECAYS = ("cosine", "linear", "constant")
 TRAINABLE = ("all", "mtp", "main")
 
 
-def learning_rate_schedule(cfg: Any, num_steps: int) -> optax.Schedule:
-  """Linear warmup to cfg.learning_rate over cfg.warmup_steps, then cfg.decay to
-  cfg.learning_rate * cfg.end_lr_fraction at num_steps."""
-  peak = cfg.learning_rate
-  warmup = min(cfg.warmup_steps, max(num_steps - 1, 0))
-  end = peak * cfg.end_lr_fraction
+def learning_rate_schedule(optim: OptimSettings, num_steps: int) -> optax.Schedule:
+  """Linear warmup to optim.learning_rate over optim.warmup_steps, then optim.decay to
+  optim.learning_rate * optim.end_lr_fraction at num_steps."""
+  peak = optim.learning_rate
+  warmup = min(optim.warmup_steps, max(num_steps - 1, 0))
+  end = peak * optim.end_lr_fraction
   rest = max(num_steps - warmup, 1)
-  if cfg.decay == "cosine":
-    decay = optax.cosine_decay_schedule(peak, rest, alpha=cfg.end_lr_fraction)
-  elif cfg.decay == "linear":
+  if optim.decay == "cosine":
+    decay = optax.cosine_decay_schedule(peak, rest, alpha=optim.end_lr_fraction)
+  elif optim.decay == "linear":
     decay = optax.linear_schedule(peak, end, rest)
-  elif cfg.decay == "constant":
+  elif optim.decay == "constant":
     decay = optax.constant_schedule(peak)
   else:
-    raise ValueError(f"optim.decay={cfg.decay!r} is not allowed: one of {DECAYS}")
+    raise ValueError(f"optim.decay={optim.decay!r} is not allowed: one of {DECAYS}")
   if warmup == 0:
     return decay
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
-def make_optimizer(cfg: Any, num_steps: int) -> tuple[optax.GradientTransformation,
-                                                      optax.Schedule]:
-  """(AdamW with clipping, its learning-rate schedule) from `config.optim`."""
-  schedule = learning_rate_schedule(cfg, num_steps)
+def make_optimizer(optim: OptimSettings, num_steps: int
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """(AdamW with clipping, its learning-rate schedule) from a stage's optimizer settings."""
+  schedule = learning_rate_schedule(optim, num_steps)
   tx = optax.chain(
-      optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=1e-8, weight_decay=cfg.weight_decay,
-                  mask=_decay_mask),
+      optax.clip_by_global_norm(optim.clip_norm) if optim.clip_norm > 0 else optax.identity(),
+      optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=1e-8,
+                  weight_decay=optim.weight_decay, mask=_decay_mask),
   )
   return tx, schedule
 

@@ -59,6 +59,7 @@ def main_reproduce(argv: Sequence[str]) -> None:
   from experiments.findings import results  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   _prepare(f.workdir)
+  common.prepare_checkpoint(common.get_scale(f.scale))
   results.reproduce(f.workdir, f.scale, names=tuple(f.only) or tuple(results.FINDINGS),
                     results=f.results, command=command_line(), config_file=f.config)
 
@@ -70,6 +71,7 @@ def main_one(name: str):
     from experiments.findings import results  # pylint: disable=g-import-not-at-top
     f = flags.FLAGS
     _prepare(f.workdir)
+    common.prepare_checkpoint(common.get_scale(f.scale))
     ctx = common.Context(f.workdir, f.scale, f.config)
     results.run_findings(ctx, (name,))
     print(f"wrote {ctx.out_dir}/")

