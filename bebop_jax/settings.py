@@ -136,7 +136,6 @@ def _model_rows() -> dict[str, Row]:
   docs = settings_base.docstring_fields(model_config.ModelConfig)
   allowed = {"attention": f"one of {list(model_config.ATTENTION)}",
              "remat": f"one of {list(model_config.REMAT)}",
-             "decode_layout": f"one of {list(model_config.DECODE_LAYOUTS)}",
              "dtype": f"one of {sorted(model_config.DTYPES)}",
              "param_dtype": f"one of {sorted(model_config.DTYPES)}",
              "num_kv_heads": "must be a positive int dividing model.num_heads",

@@ -40,7 +40,6 @@ from ml_collections import config_flags
 
 from bebop_jax.stages import config as config_lib
 from bebop_jax.decoding import autoregressive, sampling, speculative
-from bebop_jax.model import layers
 from bebop_jax.stages import decode_timing
 from bebop_jax.stages import lineage
 from bebop_jax.stages import mtp
@@ -139,8 +138,8 @@ def part_costs(graphdef, state, prompt_len: int, *, cache_length: int, repeats: 
   k, window = c.num_draft_steps, c.num_draft_steps + 1
   params = sampling.SamplingParams(temperature=1.0)
   w = model.loop_weights()
-  draft_head = None if draft_vocab is None else layers.take_columns(w["shared"]["head"],
-                                                                    draft_vocab)
+  draft_head = None if draft_vocab is None else jnp.take(w["shared"]["head"], draft_vocab,
+                                                         axis=1)
   tokens = jnp.ones((1, prompt_len), jnp.int32)
   cache0 = model.init_cache(1, cache_length)
   pos = jnp.full((1,), prompt_len, jnp.int32)

@@ -261,28 +261,6 @@ def test_weights_sliced_inside_the_loop_give_the_same_generation():
 
 
 
-def test_out_major_decode_weights_give_the_same_generation():
-  """decode_layout: the projections and head held transposed (layers.OutMajor, the CPU
-  default) against as stored: same tokens, log-probs equal up to float rounding; on CPU
-  "auto" is out_major. A reduced draft vocabulary takes its head rows in either layout."""
-  tokens, lengths = _prompts()
-  vocab = model_config.preset("tiny").vocab_size
-  common = dict(max_new_tokens=16, cache_length=64, params=sampling.SamplingParams(1.0),
-                stop_tokens=STOP, draft_vocab=jnp.arange(0, vocab, 2, dtype=jnp.int32))
-  runs = {}
-  for layout in ("in_major", "out_major"):
-    graphdef, _ = policy_lib.init(model_config.preset("tiny", decode_layout=layout))
-    model = nnx.merge(graphdef, STATE)
-    assert model.decode_out_major() is (layout == "out_major")
-    runs[layout] = speculative.generate(graphdef, STATE, tokens, lengths, jax.random.key(4),
-                                        mode="rejection", **common)
-  assert nnx.merge(GRAPHDEF, STATE).decode_out_major() is (jax.default_backend() == "cpu")
-  a, b = runs["in_major"], runs["out_major"]
-  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
-  assert int(np.asarray(a.lengths).sum()) > 0
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_release_compiled_unmaps_the_generated_code():
   """Each compiled loop maps hundreds of code regions; a long job must be able to drop them

@@ -54,7 +54,6 @@ from flax import nnx
 from bebop_jax.decoding import batching, sampling
 from bebop_jax.decoding import verification as verify_lib
 from bebop_jax.decoding.autoregressive import check_lengths
-from bebop_jax.model import layers
 
 MODES = verify_lib.MODES
 _GREEDY_DRAFT = verify_lib.SAMPLED_MODES.index("greedy_draft")
@@ -204,7 +203,7 @@ def _decode(model, w, s: DecodeState, *, params, mode, draft_vocab=None, k=None,
   draft_head = None
   if draft_vocab is not None:  # the sub-head, sliced once before the loop
     head = (w if w is not None else model.decode_weights())["shared"]["head"]
-    draft_head = layers.take_columns(head, draft_vocab)
+    draft_head = jnp.take(head, draft_vocab, axis=1)
   turn_start = s.out.lengths
 
   def cond(s: DecodeState):

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION = ("blockwise", "dense")
 REMAT = ("projections", "none", "full")
-DECODE_LAYOUTS = ("auto", "in_major", "out_major")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +37,6 @@ class ModelConfig:
       before the loop (Policy.decode_weights): fastest where a slice is a copy (CPU, GPU), at
       the price of a second copy of the weights. False slices inside every step instead: no
       extra memory, and on TPU the slice fuses into the matmul.
-    decode_layout: how decoding loops hold the projection weights (with
-      decode_preslice_weights): "out_major" transposed, [out, in], multiplied as w @ x^T
-      (layers.OutMajor: on CPU a verification forward of a few tokens then costs little more
-      than one token); "in_major" as stored, x @ w; "auto" out_major on CPU, in_major on
-      accelerators. Same numbers up to float rounding.
     attention: teacher-forced attention (training, scoring): "blockwise" (query blocks over
       their causal key prefix, custom backward, no [B, H, T, T] probabilities kept; see
       layers.blockwise_attention) or "dense" (the reference). Decoding always uses the cache.
@@ -70,7 +64,6 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   decode_preslice_weights: bool = True
-  decode_layout: str = "auto"
   attention: str = "blockwise"
   attention_block_size: int = 32
   remat: str = "projections"
@@ -90,8 +83,7 @@ class ModelConfig:
                        f">= model.num_mtp_modules={self.num_mtp_modules}")
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} is not allowed: RoPE needs it even")
-    for name, allowed in (("attention", ATTENTION), ("remat", REMAT),
-                          ("decode_layout", DECODE_LAYOUTS)):
+    for name, allowed in (("attention", ATTENTION), ("remat", REMAT)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not allowed: one of "
                          f"{list(allowed)}")

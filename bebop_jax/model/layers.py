@@ -7,7 +7,6 @@ width. Parameters arrive as plain arrays (one layer's slice of the stacked param
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Mapping
 
@@ -223,54 +222,15 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["t"],
-                   meta_fields=["out_shape"])
-@dataclasses.dataclass(frozen=True)
-class OutMajor:
-  """A weight w [I, *O] stored transposed, t = w.reshape(I, -1).T [prod(O), I]: the layout
-  decoding uses on CPU (ModelConfig.decode_layout). `dense` multiplies it as t @ x^T.
-
-  XLA:CPU multiplies a few rows by a weight far faster with the weight as the left operand
-  in [out, in] order: on the SmolLM2 shapes, 4 rows (a verification forward of K + 1 = 4
-  tokens) cost about 1.6x one row that way and about 3x with x @ w (docs/speed.md). The
-  transposed copy is made once per decoding call, where the stacked layers are sliced anyway
-  (Policy.decode_weights), and never inside the loop.
-  """
-  t: jax.Array
-  out_shape: tuple[int, ...]
-
-  @classmethod
-  def of(cls, w: jax.Array) -> "OutMajor":
-    # The barrier keeps XLA from folding the transpose back into the matmul (which would
-    # restore the slow x @ w form) when the weight is used outside a loop (the prefill).
-    return cls(jax.lax.optimization_barrier(w.reshape(w.shape[0], -1).T), tuple(w.shape[1:]))
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return (self.t.shape[1],) + self.out_shape
-
-
-def take_columns(w: jax.Array | OutMajor, ids: jax.Array) -> jax.Array | OutMajor:
-  """The columns `ids` of a head w [E, V] (a reduced draft vocabulary), in either layout:
-  rows of an OutMajor's t, which stay contiguous."""
-  if isinstance(w, OutMajor):
-    return OutMajor(jnp.take(w.t, ids, axis=0), (ids.shape[0],))
-  return jnp.take(w, ids, axis=1)
-
-
-def dense(x: jax.Array, w: jax.Array | OutMajor, **kwargs) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   """x [..., I] times w [I, ...] as one 2-D matmul, reshaped to [..., *w.shape[1:]]
-  (kwargs go to jnp.matmul, e.g. preferred_element_type). An `OutMajor` weight is
-  multiplied as t @ x^T (its docstring says why).
+  (kwargs go to jnp.matmul, e.g. preferred_element_type).
 
   Flattening the leading axes matters on CPU: XLA lowers the backward of a 3-D einsum such
   as 'bte,ef->btf' to transposes fused with the surrounding elementwise ops, about 3x slower
   than the same product on [B*T, I] (measured on the SwiGLU MLP).
   """
   lead = x.shape[:-1]
-  if isinstance(w, OutMajor):
-    y = jnp.matmul(w.t, x.reshape(-1, x.shape[-1]).T, **kwargs).T
-    return y.reshape(lead + w.out_shape)
   y = jnp.matmul(x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1), **kwargs)
   return y.reshape(lead + w.shape[1:])
 
@@ -326,9 +286,7 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array, *,
                            cache_mask(positions, s_len))
     new_cache = (k_cache, v_cache)
   b, t, heads, d = out.shape
-  wo = p["wo"]  # [H, D, E], or an OutMajor made from its [H * D, E] view
-  wo = wo if isinstance(wo, OutMajor) else wo.reshape(heads * d, -1)
-  x = x + dense(out.reshape(b, t, heads * d), wo)
+  x = x + dense(out.reshape(b, t, heads * d), p["wo"].reshape(heads * d, -1))
   x = sharding.constrain(x, ("batch", "length", "embed"))
   h = rms_norm(x, p["mlp_norm"], eps)
   hidden = (jax.nn.silu(checkpoint_name(dense(h, p["w_gate"]), "gate"))

@@ -315,24 +315,14 @@ class Policy(nnx.Module):
     (and the tied head's transpose) is a copy of the weights at every step on CPU and GPU:
     XLA does not hoist them.
     """
-    c = self.config
-    dt = c.compute_dtype
+    dt = self.config.compute_dtype
     stacked = self.layers.arrays(dt)
-    weights = {
+    return {
         "shared": self._shared(stop_gradient=False),
-        "layers": tuple({n: a[i] for n, a in stacked.items()} for i in range(c.num_layers)),
-        "mtp": tuple(self._mtp_module(m) for m in range(c.num_mtp_modules)),
+        "layers": tuple({n: a[i] for n, a in stacked.items()}
+                        for i in range(self.config.num_layers)),
+        "mtp": tuple(self._mtp_module(m) for m in range(self.config.num_mtp_modules)),
     }
-    return _out_major(weights, c) if self.decode_out_major() else weights
-
-  def decode_out_major(self) -> bool:
-    """Whether `decode_weights` holds the projections transposed (layers.OutMajor):
-    config.decode_layout, "auto" meaning on CPU; only with decode_preslice_weights (the
-    transposed copy is made once, before a loop, never inside one)."""
-    c = self.config
-    if not c.decode_preslice_weights or c.decode_layout == "in_major":
-      return False
-    return c.decode_layout == "out_major" or jax.default_backend() == "cpu"
 
   # ---------------------------------------------------------------- teacher-forced
 
@@ -504,27 +494,6 @@ class Policy(nnx.Module):
       _, h_prev, cache = self.mtp_step(cache, depth, h_prev, shift_left(tokens, depth), start,
                                        attend_len=p, weights=w)
     return logits, h0, cache
-
-
-_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "proj")
-
-
-def _out_major(weights: dict[str, Any], c: ModelConfig) -> dict[str, Any]:
-  """decode_weights with every projection and the head as layers.OutMajor (a tied head is
-  the embedding table itself: no copy)."""
-  def block(p):
-    p = dict(p)
-    for name in _PROJECTIONS:
-      if name in p:
-        w = p[name]
-        p[name] = layers.OutMajor.of(
-            w.reshape(c.num_heads * c.head_dim, -1) if name == "wo" else w)
-    return p
-  shared = dict(weights["shared"])
-  shared["head"] = (layers.OutMajor(shared["embed"], (c.vocab_size,)) if c.tie_embeddings
-                    else layers.OutMajor.of(shared["head"]))
-  return {"shared": shared, "layers": tuple(block(p) for p in weights["layers"]),
-          "mtp": tuple(block(p) for p in weights["mtp"])}
 
 
 def _uint_like(x: jax.Array) -> jnp.dtype:
