@@ -37,7 +37,7 @@ def get_config(arg: str | None = None):
                      "tokenizer.json)")
   config = config_lib.base_config()
   config.stages = ("sft", "mtp", "rl")
-  hf.set_model_config(config.model, path, num_mtp_modules=1, num_draft_steps=3)
+  config.model.update(hf.model_fields(path, num_mtp_modules=1, num_draft_steps=3))
   config.data.tokenizer = path
   config.sft.init_from_hf = path
   config.sft.hf_mtp = "auto"

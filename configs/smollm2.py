@@ -60,8 +60,8 @@ def get_config(arg: str | None = None):
 
   config = config_lib.base_config()
   config.stages = ("sft", "mtp", "rl", "eval")
-  hf.set_model_config(config.model, path, num_mtp_modules=1, num_draft_steps=3,
-                      dtype="float32")
+  config.model.update(hf.model_fields(path, num_mtp_modules=1, num_draft_steps=3,
+                                       dtype="float32"))
   config.model.vocab_size = tok.vocab_size  # the markers' rows (hf.import_checkpoint)
   config.data.tokenizer = path
   config.data.chat_format = True

@@ -47,12 +47,12 @@ SMOLLM2_JOB = os.path.join(REPO, "docs", "artifacts", "smollm2_main_job.json")
 SMOLLM2_BENCH = os.path.join(REPO, "docs", "artifacts", "smollm2_bench_decode.json")
 SMOLLM2_COMMAND = ("python -m bebop_jax.main --config=configs/smollm2.py "
                    "--workdir=runs/smollm2")
-# Two runs of bench_decode.py (batch 1 and 8 over 16 prompts, batch 64 over 64), their
-# result rows joined in SMOLLM2_BENCH by `--join_bench=A.json,B.json`.
+# One run of bench_decode.py under the protocol (stages/decode_timing: interleaved passes, a
+# 95% interval over them), with the adaptive arm.
 SMOLLM2_BENCH_COMMAND = (
     "python experiments/bench_decode.py --config=configs/smollm2.py --workdir=runs/smollm2 "
     "--policy=mtp --temperatures=1 --modes=rejection --draft_vocab=2048 --max_new_tokens=64 "
-    "--batch_sizes=1,8,64 --num_prompts=128 --repeats=3 --split_fixed_cost=false "
+    "--batch_sizes=1,8,64 --num_prompts=64 --repeats=3 --split_fixed_cost=false --adaptive "
     "--out=docs/artifacts/smollm2_bench_decode.json")
 # The findings on the real policy: their own page, summarized in a section of docs/results.md.
 RESULTS_PAGE = os.path.join(REPO, "docs", "results.md")

@@ -139,15 +139,14 @@ def config_from_hf(hf: Mapping[str, Any], *, num_mtp_modules: int = 1,
   return ModelConfig(**{**fields, **overrides})
 
 
-def set_model_config(model_cfg, hf_dir: str, **kwargs: Any) -> ModelConfig:
-  """Writes the decoder of the checkpoint in `hf_dir` (its config.json, through
-  `config_from_hf(..., **kwargs)`) into an ml_collections `config.model` (the shape fields,
-  dtypes and the MTP chain); returns the ModelConfig."""
+def model_fields(hf_dir: str, **kwargs: Any) -> dict[str, Any]:
+  """The `config.model` values of the checkpoint in `hf_dir` (its config.json, through
+  `config_from_hf(..., **kwargs)`): the shape fields, dtypes and the MTP chain, as plain
+  data for a config file (`config.model.update(hf.model_fields(path))`)."""
   with open(os.path.join(hf_dir, "config.json")) as f:
     cfg = config_from_hf(json.load(f), **kwargs)
-  for field in SHAPE_FIELDS + ("dtype", "param_dtype", "num_mtp_modules", "num_draft_steps"):
-    model_cfg[field] = getattr(cfg, field)
-  return cfg
+  return {field: getattr(cfg, field) for field in
+          SHAPE_FIELDS + ("dtype", "param_dtype", "num_mtp_modules", "num_draft_steps")}
 
 
 def check_matches(checkpoint: ModelConfig, model: ModelConfig, what: str) -> None:
