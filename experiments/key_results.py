@@ -33,6 +33,7 @@ import sys
 if __package__ in (None, ""):  # run as a script
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import doc_blocks, doc_numbers  # pylint: disable=g-import-not-at-top
+from bebop_jax.stages import decode_timing  # pylint: disable=g-import-not-at-top
 from experiments.doc_numbers import Block, Source  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,18 +289,23 @@ def real_policy_block(b: Block, s: Source, bench: Source | None) -> str:
                 "the arms' timed passes interleaved in alternating order, the ratio the "
                 "geometric mean of the passes' ratios with its Student-t 95% interval over "
                 f"passes, `{SMOLLM2_BENCH_COMMAND}`:")
-  lines += ["", "| batch | T | prompts | passes | tokens per arm (all passes) | wall clock spec. "
-            "/ AR [95%] | tokens per target forward | acceptance per depth |",
-            "|---|---|---|---|---|---|---|---|"]
+  lines += ["", "| batch | T | draft length | prompts | passes | tokens per arm (all passes) "
+            "| wall clock spec. / AR [95%] | tokens per target forward | acceptance per depth "
+            "| protocol |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in bench["results"]:
     if r["mode"].value != "rejection":
       continue
     acc = ", ".join(b.num(a, fmt=".2f") for a in r["acceptance_online"])
-    lines.append(f"| {r['batch'].value} | {r['temperature'].value:g} | "
+    k = r.value.get("k", "3 (the drafter's)")
+    short = decode_timing.MIN_TOKENS - min(r["ar_tokens"].value, r["spec_tokens"].value)
+    protocol = ("met" if decode_timing.meets_protocol(r.value) else
+                f"missed: under {decode_timing.MIN_TOKENS} tokens per arm" if short > 0 else
+                "missed")
+    lines.append(f"| {r['batch'].value} | {r['temperature'].value:g} | {k} | "
                  f"{b.num(r['prompts'], fmt='.0f')} | {r['repeats'].value} | "
                  f"{b.num(r['spec_tokens'], fmt='.0f')} | {b.num(r['speedup'], fmt='.2f')}x "
                  f"{_ci(b, r['speedup_ci95'], '.2f')} | "
-                 f"{b.num(r['tokens_per_target_forward'], fmt='.2f')} | {acc} |")
+                 f"{b.num(r['tokens_per_target_forward'], fmt='.2f')} | {acc} | {protocol} |")
   return "\n".join(lines)
 
 

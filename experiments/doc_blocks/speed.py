@@ -15,6 +15,7 @@ RL_PACKING = "docs/artifacts/bench_train_rl_packing.json"
 LAPTOP = "docs/artifacts/main_job_laptop.json"
 PROFILE = "docs/artifacts/profile_speculative.json"
 SMOLLM2_PROFILE = "docs/artifacts/smollm2_profile_speculative.json"
+MATMUL_ROWS = "docs/artifacts/matmul_rows.json"
 
 
 def learner_step_block(b: Block) -> str:
@@ -121,10 +122,33 @@ def iteration_block(b: Block, path: str = PROFILE) -> str:
   return "\n".join(lines)
 
 
+def matmul_rows_block(b: Block, path: str = MATMUL_ROWS) -> str:
+  """What a product of a few rows costs on XLA:CPU (experiments/bench_matmul_rows.py)."""
+  src = Source(path)
+  per = src["seconds_per_pass"]
+  rows = sorted(per.value, key=int)
+  one = per[rows[0]]["x_at_w"]
+  names = {"x_at_w": "x @ w (the model)", "rows": "one row at a time",
+           "out_major_arg": "w held [out, in], passed so", "out_major_jit":
+           "w transposed inside the call"}
+  lines = [f"{src['layers'].value} SwiGLU-shaped pairs ({src['d_model'].value} -> "
+           f"{src['mlp_dim'].value} -> {src['d_model'].value}, float32, "
+           f"{b.num(src['weight_mb'], fmt='.0f')} MB of weights) in a jitted loop; "
+           "seconds per pass, and (in parentheses) in passes of one row by x @ w:", "",
+           "| rows | " + " | ".join(names.values()) + " |",
+           "|---" * (len(names) + 1) + "|"]
+  for r in rows:
+    cells = [f"{b.num(per[r][k], fmt='.4f')} s ({b.num(per[r][k], one, fmt='.2f', op='ratio')})"
+             for k in names]
+    lines.append(f"| {r} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def render() -> dict[str, tuple[str, list]]:
   blocks = {"learner_step": learner_step_block, "rl_learner": rl_learner_block,
             "main_job_time": main_job_time_block, "iteration": iteration_block,
-            "iteration_smollm2": lambda b: iteration_block(b, SMOLLM2_PROFILE)}
+            "iteration_smollm2": lambda b: iteration_block(b, SMOLLM2_PROFILE),
+            "matmul_rows": matmul_rows_block}
   out = {}
   for name, fn in blocks.items():
     b = Block()
