@@ -334,14 +334,31 @@ def _check_keys(cfg: Any, schema: Any, prefix: str):
       _check_keys(cfg[key], schema[key], full + ".")
 
 
+_SETTINGS_CACHE: dict[str, settings_lib.Settings] = {}
+_SETTINGS_CACHE_SIZE = 16
+
+
 def settings(config: ml_collections.ConfigDict) -> settings_lib.Settings:
   """The typed settings of `config`: its keys checked against the schema, then every
   section built, each checking itself, and the checks across sections
   (bebop_jax.settings.check_across_sections).
 
+  Stage helpers call this for the section they need; building loads the tokenizer, so the
+  settings of the last few configs are kept, keyed by the config's values (a changed config
+  is a new key; a failing one is never kept).
+
   Raises:
     ConfigError: naming the key, the value and what is allowed.
   """
+  key = repr(config.to_dict())
+  if key not in _SETTINGS_CACHE:
+    if len(_SETTINGS_CACHE) >= _SETTINGS_CACHE_SIZE:
+      del _SETTINGS_CACHE[next(iter(_SETTINGS_CACHE))]
+    _SETTINGS_CACHE[key] = _build_settings(config)
+  return _SETTINGS_CACHE[key]
+
+
+def _build_settings(config: ml_collections.ConfigDict) -> settings_lib.Settings:
   _check_keys(config, base_config(), "")
   values = config.to_dict()  # plain dicts from here on
   try:
