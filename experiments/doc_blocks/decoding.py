@@ -9,8 +9,6 @@ own timing noise or not) are computed from the same values.
   bench_adaptive_quickstart_arms.json  adaptive, adaptive_calls, block_by_task
                                        (bench_decode.py --adaptive --draft_lengths=1,2,3)
   call_overhead_quickstart.json        call_overhead (bench_call_overhead.py)
-  smollm2_bench_adaptive_arms.json     adaptive_smollm2 (an earlier SmolLM2 drafter)
-  smollm2_bench_draft_vocab.json       draft_vocab (an earlier SmolLM2 drafter)
 """
 
 from __future__ import annotations
@@ -22,19 +20,12 @@ BENCH = "docs/artifacts/bench_decode.json"
 PROFILE = "docs/artifacts/profile_speculative.json"
 ADAPTIVE = "docs/artifacts/bench_adaptive_quickstart_arms.json"
 CALL_OVERHEAD = "docs/artifacts/call_overhead_quickstart.json"
-SMOLLM2_ADAPTIVE = "docs/artifacts/smollm2_bench_adaptive_arms.json"
-SMOLLM2_DRAFT_VOCAB = "docs/artifacts/smollm2_bench_draft_vocab.json"
 
 # The goal set for the adaptive decoder (not a measurement: the page states it in prose, in
 # inline code): at least GOAL_RATIO of autoregressive decoding's speed, and within
 # GOAL_WITHIN of the best fixed draft length (K = 0, ratio 1, included).
 GOAL_RATIO = 0.97
 GOAL_WITHIN = 0.05
-
-# The drafter the SmolLM2 rows were measured with (the MTP stage of configs/smollm2.py when
-# they were run: 48 steps of e2e-TV over the whole vocabulary); not the one the config trains.
-OLD_SMOLLM2_DRAFTER = ("an earlier drafter of this policy (48 steps of e2e-TV over the whole "
-                       "vocabulary), not the one `configs/smollm2.py` trains")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -358,81 +349,6 @@ def call_overhead_block(b: Block, c: Source) -> str:
   return "\n".join(lines)
 
 
-def adaptive_smollm2_block(b: Block, bench: Source) -> str:
-  rows = list(bench["results"])
-  batches = sorted({r["batch"].value for r in rows})
-  mode = rows[0]["mode"].value
-  lines = [f"Measured with {OLD_SMOLLM2_DRAFTER} (the JSON's policy: {bench['model'].value}; "
-           f"{bench['max_new_tokens'].value} new tokens at most; `{bench['command'].value}`). "
-           + _protocol(rows), "",
-           "| batch | prompts | fixed K = 1 / 2 / 3 | acceptance per depth at K = 3 | tok/fwd "
-           "at K = 3 | adaptive | AR loop, first round / adaptive round (s) |",
-           "|---|---|---|---|---|---|---|"]
-  within, every_fixed_loses, all_zero = [], True, True
-  for batch in batches:
-    fixed = _fixed(rows, batch, mode)
-    ada = _adaptive(rows, batch, mode)
-    k3 = fixed[-1]
-    every_fixed_loses &= all(r["speedup"].value < 1 for r in fixed)
-    all_zero &= list(ada["k_iterations"]) == ["0"]
-    ar, own = ada["ar_seconds"], ada["ar_seconds_own_round"]
-    lines.append(
-        f"| {batch} | {b.num(ada['prompts'], fmt='.0f')} | "
-        + " / ".join(f"{b.num(r['speedup'], fmt='.2f')}x" for r in fixed) + " | "
-        f"{_depths(b, k3['acceptance_online'], sep=' / ')} | "
-        f"{b.num(k3['tokens_per_target_forward'], fmt='.2f')} | "
-        f"{b.num(ada['speedup'], fmt='.2f')}x ({_iterations(b, ada)}) | "
-        f"{b.num(ar, fmt='.2f')} / {b.num(own, fmt='.2f')} |")
-    # Is the adaptive ratio's distance from 1x within the AR loop's own round-to-round change?
-    noise = abs(ar.value / own.value - 1)
-    within.append((batch, abs(ada["speedup"].value - 1) <= noise, ada["speedup"].value >= 1))
-  unresolved = [f"{bt}" for bt, w, _ in within if w]
-  slower = [f"{bt}" for bt, w, up in within if not w and not up]
-  faster = [f"{bt}" for bt, w, up in within if not w and up]
-  resolved = slower + faster
-  words = []
-  if every_fixed_loses:
-    words.append("Every fixed K is slower than autoregressive decoding on this drafter, so "
-                 "the best choice is K = 0")
-  if all_zero:
-    words.append("the adaptive decoder ran K = 0 throughout at every batch size")
-  text = ("; ".join(words) + ". ") if words else ""
-  text += ("Each adaptive ratio differs from parity by no more than the autoregressive loop's own "
-           "change between the benchmark's two rounds, so one pass does not resolve them"
-           if not resolved else
-           f"At batch {_list(unresolved)} the adaptive ratio differs from parity by no more than "
-           "the autoregressive loop's own change between the two rounds (not resolved by one "
-           "pass)" + (f"; at batch {_list(slower)} it is slower by more" if slower
-                      else "") + (f"; at batch {_list(faster)} faster by more" if faster
-                                  else "") if unresolved else
-           "Each adaptive ratio differs from parity by more than the autoregressive loop's own "
-           "change between the two rounds")
-  return "\n".join(lines + ["", text + "."])
-
-
-def draft_vocab_block(b: Block, bench: Source) -> str:
-  rows = list(bench["results"])
-  r0 = rows[0]
-  cov = bench["draft_vocab_coverage"]
-  lines = [f"Measured with {OLD_SMOLLM2_DRAFTER} (the JSON's policy: {bench['model'].value}), "
-           f"batch {r0['batch'].value}, {b.num(r0['prompts'], fmt='.0f')} held-out prompts, "
-           f"T = {r0['temperature'].value:g}, {r0['mode'].value}, "
-           f"{bench['max_new_tokens'].value} new tokens at most. " + _protocol(rows), "",
-           "| V_d | speculative / autoregressive | tokens per target forward | acceptance per "
-           "depth | coverage of the drafter's training tokens |", "|---|---|---|---|---|"]
-  for r in rows:
-    label = r["draft_vocab"].value
-    lines.append(f"| {label} | {_ratio_cell(b, r)} | "
-                 f"{b.num(r['tokens_per_target_forward'], fmt='.2f')} | "
-                 f"{_depths(b, r['acceptance_online'], sep=' / ')} | "
-                 + (b.num(cov[label], fmt=".0%") if label in cov else "all") + " |")
-  if all(cov[k].value == 1 for k in cov):
-    lines += ["", "Every reduced vocabulary here covers all of the drafter's training tokens. A "
-              "smaller head costs less to read and multiply at every draft depth; each ratio "
-              "is one timed pass on a shared CPU."]
-  return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- render
 
 
@@ -445,12 +361,10 @@ def render() -> dict[str, tuple[str, list]]:
   bench = Source(BENCH)
   adaptive = Source(ADAPTIVE)
   return {
-      "draft_vocab": _block(draft_vocab_block, Source(SMOLLM2_DRAFT_VOCAB)),
       "single_turn": _block(single_turn_block, bench),
       "adaptive": _block(adaptive_block, adaptive),
       "adaptive_calls": _block(adaptive_calls_block, adaptive),
       "call_overhead": _block(call_overhead_block, Source(CALL_OVERHEAD)),
-      "adaptive_smollm2": _block(adaptive_smollm2_block, Source(SMOLLM2_ADAPTIVE)),
       "block_by_task": _block(block_by_task_block, adaptive),
       "profile": _block(profile_block, Source(PROFILE), bench),
       "multi_turn": _block(multi_turn_block, bench),
