@@ -8,10 +8,12 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.compilation import release_compiled
 from bebop_jax.data import pipeline
+from bebop_jax.decoding import decoder as decoder_lib
 from bebop_jax.decoding import sampling, speculative
 from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.stages import config as config_lib
@@ -70,10 +72,10 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
                           max_new_tokens, repeats, num_prompts=32,
                           max_turn_tokens=None, seed=0) -> list[dict]:
   """Whole agentic episodes (tool calls answered by the environment, the policy continuing)
-  with three loops on the same prompts and key: speculative episodes
-  (`episodes_lib.speculative_episodes`, caches kept across turns), autoregressive episodes
-  with the cache kept across turns, and autoregressive episodes that re-encode the whole
-  context every turn (`episodes_lib.autoregressive_episodes`, continuation=True / False).
+  with three loops on the same prompts and key: speculative episodes and autoregressive
+  episodes, caches kept across turns (`episodes_lib.decode_episodes` with
+  `decoder.Speculative` / `decoder.Autoregressive`), and autoregressive episodes that
+  re-encode the whole context every turn (`episodes_lib.reencoded_episodes`).
 
   Prompts: `agentic_examples(config, batch, num_prompts)`; environments:
   `task.environment(example)` of the agentic task with config.data's knobs; stop tokens end
@@ -115,6 +117,7 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
       *_seconds (best pass), *_tokens, *_reply_tokens, *_target_forwards.
   """
   tok = config_lib.settings(config).data.loaded_tokenizer
+  k = nnx.merge(graphdef, state).config.num_draft_steps
   task = tasks_lib.get_task("agentic", **config.data.tasks.agentic.knobs)
   stop = (tok.eos_id, tok.call_end_id)
   buckets = tuple(config.eval.prompt_buckets)
@@ -130,20 +133,22 @@ def run_episode_benchmark(config, graphdef, state, *, batch_sizes, temperatures,
                        f"config.eval.prompt_buckets={buckets}")
     environments = lambda examples=examples: [task.environment(ex) for ex in examples]
     for t in temperatures:
+      params = sampling.SamplingParams(temperature=t)
       common = dict(
-          tokenizer=tok, batch_size=b, max_new_tokens=max_new_tokens,
-          params=sampling.SamplingParams(temperature=t), stop_tokens=stop,
+          tokenizer=tok, batch_size=b, max_new_tokens=max_new_tokens, stop_tokens=stop,
           row_stops=np.array([[True, task.multi_turn]] * len(prompts), bool),
-          max_turn_tokens=max_turn_tokens, max_turns=task.max_turns, prompt_buckets=buckets)
-      loops = {
-          name: (lambda envs, continuation=continuation, common=common:
-                 episodes_lib.autoregressive_episodes(graphdef, state, prompts, envs, rng,
-                                                    continuation=continuation, **common))
-          for name, continuation in ((AR_CONTINUED, True), (AR_REENCODED, False))}
+          max_turns=task.max_turns, prompt_buckets=buckets)
+      decoders = {AR_CONTINUED: decoder_lib.Autoregressive(params,
+                                                           max_turn_tokens=max_turn_tokens)}
       for mode in (["exact"] if t == 0 else modes):
-        loops[mode] = (lambda envs, mode=mode, common=common:
-                       episodes_lib.speculative_episodes(graphdef, state, prompts, envs, rng,
-                                                       mode=mode, **common))
+        decoders[mode] = decoder_lib.Speculative(params, mode, k,
+                                                 max_turn_tokens=max_turn_tokens)
+      loops = {name: (lambda envs, d=d, common=common: episodes_lib.decode_episodes(
+          d, graphdef, state, prompts, envs, rng, **common)) for name, d in decoders.items()}
+      loops[AR_REENCODED] = (lambda envs, common=common, params=params:
+                             episodes_lib.reencoded_episodes(
+                                 graphdef, state, prompts, envs, rng, params=params,
+                                 max_turn_tokens=max_turn_tokens, **common))
       timed = best_episode_times(loops, environments, repeats)
       ar_time, ar = timed.pop(AR_CONTINUED)
       re_time, re = timed.pop(AR_REENCODED)

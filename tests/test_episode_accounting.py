@@ -12,6 +12,7 @@ import pytest
 from bebop_jax import rollout
 from bebop_jax.data.tokenizer import load_tokenizer
 from bebop_jax.decoding import sampling, speculative
+from bebop_jax.decoding import decoder as decoder_lib
 from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -152,15 +153,18 @@ def test_truncated_and_emitted_tokens_of_episodes(engine):
   prompts = [[1, 20]] * len(CASES)
   envs = [_ScriptedEnv(list(replies)) for _, replies, *_ in CASES]
   row_stops = np.array([[t in stops for t in STOP_TOKENS] for stops, *_ in CASES])
-  kw = dict(batch_size=8, max_new_tokens=12, max_turn_tokens=5, params=GREEDY,
-            stop_tokens=STOP_TOKENS, row_stops=row_stops, tokenizer=load_tokenizer("char"))
-  if engine == "speculative":
-    episodes = episodes_lib.speculative_episodes(GRAPHDEF, STATE, prompts, envs,
-                                               jax.random.key(0), mode="exact", **kw)
+  kw = dict(batch_size=8, max_new_tokens=12, stop_tokens=STOP_TOKENS, row_stops=row_stops,
+            tokenizer=load_tokenizer("char"))
+  if engine == "autoregressive_reencoded":
+    episodes = episodes_lib.reencoded_episodes(GRAPHDEF, STATE, prompts, envs,
+                                               jax.random.key(0), params=GREEDY,
+                                               max_turn_tokens=5, **kw)
   else:
-    episodes = episodes_lib.autoregressive_episodes(
-        GRAPHDEF, STATE, prompts, envs, jax.random.key(0),
-        continuation=engine == "autoregressive", **kw)
+    decoder = (decoder_lib.Speculative(GREEDY, "exact", K, max_turn_tokens=5)
+               if engine == "speculative" else
+               decoder_lib.Autoregressive(GREEDY, max_turn_tokens=5))
+    episodes = episodes_lib.decode_episodes(decoder, GRAPHDEF, STATE, prompts, envs,
+                                            jax.random.key(0), **kw)
   r = rollout.rollouts_from_episodes(episodes, prompts, [0] * len(CASES), max_new_tokens=12,
                                      num_draft_steps=K if engine == "speculative" else 0)
   for i, (_, replies, tokens, pattern, done, truncated) in enumerate(CASES):

@@ -6,11 +6,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from bebop_jax.stages import config as config_lib
 from bebop_jax import tasks as tasks_lib
 from bebop_jax.data import pipeline
 from bebop_jax.decoding import sampling
+from bebop_jax.decoding import decoder as decoder_lib
 from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -69,13 +71,19 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
       (2, 4, 1.0, mode) for mode in modes]
 
   task = _EchoAgenticTask(**config.data.tasks.agentic.knobs)
-  common = dict(tokenizer=tok, params=sampling.SamplingParams(1.0),
-                stop_tokens=(tok.eos_id, tok.call_end_id), max_turns=task.max_turns, **KW)
+  params = sampling.SamplingParams(1.0)
+  common = dict(tokenizer=tok, stop_tokens=(tok.eos_id, tok.call_end_id),
+                max_turns=task.max_turns, batch_size=KW["batch_size"],
+                max_new_tokens=KW["max_new_tokens"])
   envs = lambda: [task.environment(ex) for ex in examples]
   key = jax.random.key(4)
-  ar = episodes_lib.autoregressive_episodes(GRAPHDEF, STATE, prompts, envs(), key, **common)
-  reencoded = episodes_lib.autoregressive_episodes(GRAPHDEF, STATE, prompts, envs(), key,
-                                                 continuation=False, **common)
+  turn_limit = KW["max_turn_tokens"]
+  ar = episodes_lib.decode_episodes(
+      decoder_lib.Autoregressive(params, max_turn_tokens=turn_limit), GRAPHDEF, STATE,
+      prompts, envs(), key, **common)
+  reencoded = episodes_lib.reencoded_episodes(GRAPHDEF, STATE, prompts, envs(), key,
+                                              params=params, max_turn_tokens=turn_limit,
+                                              **common)
   count = lambda episodes: sum(int(np.sum(ep.policy_mask)) for ep in episodes)
   replies = lambda episodes: sum(len(ep.tokens) for ep in episodes) - count(episodes)
   # The scenario: several turns per episode, replies in the completions.
@@ -83,8 +91,10 @@ def test_episode_benchmark_counts_equal_the_episodes_run_directly(tiny_data_conf
   assert [(a.tokens, a.policy_mask) for a in ar] == [(r.tokens, r.policy_mask)
                                                      for r in reencoded]
   for row, mode in zip(rows, modes):
-    spec = episodes_lib.speculative_episodes(GRAPHDEF, STATE, prompts, envs(), key, mode=mode,
-                                           **common)
+    spec = episodes_lib.decode_episodes(
+        decoder_lib.Speculative(params, mode, nnx.merge(GRAPHDEF, STATE).config.num_draft_steps,
+                                max_turn_tokens=turn_limit),
+        GRAPHDEF, STATE, prompts, envs(), key, **common)
     assert row["spec_tokens"] == count(spec) and row["spec_reply_tokens"] == replies(spec)
     assert row["ar_tokens"] == row["ar_reencoded_tokens"] == count(ar)
     assert row["ar_reply_tokens"] == replies(ar)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from bebop_jax.data.tokenizer import load_tokenizer
 from bebop_jax.decoding import autoregressive, sampling, speculative
+from bebop_jax.decoding import decoder as decoder_lib
 from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.model import config as model_config
 from bebop_jax.model import model as policy_lib
@@ -143,17 +144,20 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
     # first and then switches as it observes the random model's drafts; rows leave the
     # batch of 4 as they finish.
     from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
-    settings = (adaptive.Settings(k_max=K, segment=1, calibrate=False, batch_factor=2)
-                if engine == "adaptive" else None)
-    episodes = episodes_lib.speculative_episodes(
-        GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
-        params=sampling.SamplingParams(0.0), mode="exact", stop_tokens=stop,
-        adaptive_settings=settings, adaptive_stats=stats, tokenizer=TOK, **kw)
+    greedy = sampling.SamplingParams(0.0)
+    decoder = (decoder_lib.Adaptive(
+        greedy, "exact", adaptive.Settings(k_max=K, segment=1, calibrate=False,
+                                           batch_factor=2), max_turn_tokens=6, stats=stats)
+               if engine == "adaptive" else
+               decoder_lib.Speculative(greedy, "exact", K, max_turn_tokens=6))
+    episodes = episodes_lib.decode_episodes(
+        decoder, GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
+        stop_tokens=stop, tokenizer=TOK, max_new_tokens=48)
   else:
-    episodes = episodes_lib.autoregressive_episodes(
-        GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4,
-        params=sampling.SamplingParams(0.0), stop_tokens=stop, prompt_buckets=(64,),
-        tokenizer=TOK, **kw)
+    episodes = episodes_lib.decode_episodes(
+        decoder_lib.Autoregressive(sampling.SamplingParams(0.0), max_turn_tokens=6),
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(1), batch_size=4, stop_tokens=stop,
+        prompt_buckets=(64,), tokenizer=TOK, max_new_tokens=48)
   for i, ep in enumerate(episodes):
     env = _EchoEnv(replies[i], turns=2 + i)
     tokens, mask, reward = _reprefill_greedy(prompts[i], env, stop=stop, **kw)
@@ -188,10 +192,11 @@ def test_episodes_compile_once_per_bucket():
     prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
     envs = [_EchoEnv("<|result|>" + "z" * (3 + i + seed) + "<|/result|>", turns=2)
             for i in range(3)]
-    return episodes_lib.speculative_episodes(
+    return episodes_lib.decode_episodes(
+        decoder_lib.Speculative(sampling.SamplingParams(1.0), "rejection", K,
+                                max_turn_tokens=5),
         GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
-        max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
-        mode="rejection", stop_tokens=(tok.eos_id,), tokenizer=TOK)
+        max_new_tokens=48, stop_tokens=(tok.eos_id,), tokenizer=TOK)
 
   run(0)
   sizes = (speculative.start._cache_size(),  # pylint: disable=protected-access
@@ -258,7 +263,8 @@ AR_REPLIES = [
     ["d" * 5],
 ]
 AR_PARAMS = sampling.SamplingParams(0.8, top_k=50)
-AR_KW = dict(batch_size=4, max_new_tokens=56, max_turn_tokens=6, params=AR_PARAMS)
+AR_KW = dict(batch_size=4, max_new_tokens=56)
+AR_DECODER = decoder_lib.Autoregressive(AR_PARAMS, max_turn_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -270,9 +276,12 @@ def ar_episodes():
   out = {}
   for continuation in (True, False):
     envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
-    out[continuation] = (prompts, episodes_lib.autoregressive_episodes(
-        GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(tok.eos_id,),
-        continuation=continuation, tokenizer=TOK, **AR_KW), envs)
+    kw = dict(stop_tokens=(tok.eos_id,), tokenizer=TOK, **AR_KW)
+    out[continuation] = (prompts, episodes_lib.decode_episodes(
+        AR_DECODER, GRAPHDEF, STATE, prompts, envs, jax.random.key(5), **kw)
+                         if continuation else episodes_lib.reencoded_episodes(
+        GRAPHDEF, STATE, prompts, envs, jax.random.key(5), params=AR_PARAMS,
+        max_turn_tokens=6, **kw), envs)
   return out
 
 
@@ -330,9 +339,9 @@ def test_autoregressive_episodes_keep_the_teacher_forced_hidden_states(ar_episod
   change. (The last token is never fed, so its h0 is not compared.)"""
   prompts, plain, _ = ar_episodes[True]
   envs = [_ScriptedEnv(list(r)) for r in AR_REPLIES]
-  episodes = episodes_lib.autoregressive_episodes(
-      GRAPHDEF, STATE, prompts, envs, jax.random.key(5), stop_tokens=(TOK.eos_id,),
-      return_hidden=True, tokenizer=TOK, **AR_KW)
+  episodes = episodes_lib.decode_episodes(
+      dataclasses.replace(AR_DECODER, return_hidden=True), GRAPHDEF, STATE, prompts, envs,
+      jax.random.key(5), stop_tokens=(TOK.eos_id,), tokenizer=TOK, **AR_KW)
   model = nnx.merge(GRAPHDEF, STATE)
   forward = jax.jit(lambda x: model(x, num_draft_steps=0)["hidden"])
   for prompt, ep, ref in zip(prompts, episodes, plain):
@@ -341,10 +350,6 @@ def test_autoregressive_episodes_keep_the_teacher_forced_hidden_states(ar_episod
     assert ep.hidden.shape == (len(seq), CONFIG.d_model)
     h0 = np.asarray(forward(jnp.asarray(seq[None]))[0])
     np.testing.assert_allclose(ep.hidden[:-1], h0[:-1], atol=2e-5, rtol=1e-4)
-  with pytest.raises(ValueError, match="continuation=True"):
-    episodes_lib.autoregressive_episodes(GRAPHDEF, STATE, prompts[:1], envs[:1],
-                                       jax.random.key(0), stop_tokens=(2,), return_hidden=True,
-                                       continuation=False, tokenizer=TOK, **AR_KW)
 
 
 def test_autoregressive_episodes_compile_once_per_bucket():
@@ -354,10 +359,10 @@ def test_autoregressive_episodes_compile_once_per_bucket():
     prompts = [tok.encode("abc" * (1 + i), add_bos=True) for i in range(3)]
     envs = [_ScriptedEnv(["<|result|>" + "z" * (3 + i + seed) + "<|/result|>"] * (1 + i))
             for i in range(3)]
-    return episodes_lib.autoregressive_episodes(
+    return episodes_lib.decode_episodes(
+        decoder_lib.Autoregressive(sampling.SamplingParams(1.0), max_turn_tokens=5),
         GRAPHDEF, STATE, prompts, envs, jax.random.key(seed), batch_size=4,
-        max_new_tokens=48, max_turn_tokens=5, params=sampling.SamplingParams(1.0),
-        stop_tokens=(tok.eos_id,), tokenizer=TOK)
+        max_new_tokens=48, stop_tokens=(tok.eos_id,), tokenizer=TOK)
 
   sizes = lambda: (autoregressive.start._cache_size(),  # pylint: disable=protected-access
                    autoregressive.continue_with_reply._cache_size())  # pylint: disable=protected-access
@@ -382,11 +387,16 @@ def test_an_autoregressive_episode_does_not_depend_on_the_other_rows(continuatio
         tok.encode(p, add_bos=True) for p in others]
     envs = [_ScriptedEnv(["ok", "<|result|>12<|/result|>", "no"])] + [
         _ScriptedEnv(list(r)) for r in other_replies]
-    return episodes_lib.autoregressive_episodes(
-        GRAPHDEF, STATE, prompts, envs, jax.random.key(9), batch_size=4, max_new_tokens=48,
-        max_turn_tokens=10, params=sampling.SamplingParams(3.0), stop_tokens=stops,
-        row_stops=np.arange(len(prompts))[:, None] == np.zeros((1, len(stops))),
-        continuation=continuation, tokenizer=TOK)
+    kw = dict(batch_size=4, max_new_tokens=48, stop_tokens=stops, tokenizer=TOK,
+              row_stops=np.arange(len(prompts))[:, None] == np.zeros((1, len(stops))))
+    params = sampling.SamplingParams(3.0)
+    if continuation:
+      return episodes_lib.decode_episodes(
+          decoder_lib.Autoregressive(params, max_turn_tokens=10), GRAPHDEF, STATE, prompts,
+          envs, jax.random.key(9), **kw)
+    return episodes_lib.reencoded_episodes(GRAPHDEF, STATE, prompts, envs,
+                                           jax.random.key(9), params=params,
+                                           max_turn_tokens=10, **kw)
 
   def turn_lengths(ep):  # the runs of policy tokens
     return [len(list(run)) for sampled, run in itertools.groupby(ep.policy_mask) if sampled]

@@ -121,7 +121,7 @@ def compile_rollout(settings: settings_lib.Settings, graphdef: nnx.GraphDef, abs
                     placement: placement_lib.Placement, *, prompt_len: int,
                     completion_len: int) -> tuple[Any, dict[str, Any]]:
   """(the compiled first rollout turn on the rollout mesh, its description):
-  `speculative.start` as the rollout engine calls it (episodes_lib.speculative_episodes) on
+  `speculative.start` as the rollout engine calls it (decoder.Speculative in episodes.decode_episodes) on
   rl.rollout.batch_size rows of `prompt_len` prompt positions and a completion budget of
   `completion_len`, the parameters placed by the rollout shardings, traced under the rollout
   context (its activation constraints)."""

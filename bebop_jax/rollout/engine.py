@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from bebop_jax import tasks as tasks_lib
+from bebop_jax.decoding import decoder as decoder_lib
 from bebop_jax.data.tokenizer import BaseTokenizer
 from bebop_jax.rollout import episodes as episodes_lib
 from bebop_jax.rollout import base
@@ -46,6 +47,20 @@ class JaxEngine(base.RolloutEngine):
       if not 1 <= self.num_draft_steps <= model_k:
         raise ValueError(f"num_draft_steps={settings.num_draft_steps} is not allowed: must be "
                          f"in [1, {model_k}] (the model's MTP depth)")
+
+  def decoder(self) -> decoder_lib.Decoder:
+    """A fresh decoder of the settings' kind (an adaptive one keeps its own call stats)."""
+    s = self.settings
+    vocab = None if s.draft_vocab is None else tuple(int(t) for t in s.draft_vocab)
+    if s.engine != "speculative":
+      return decoder_lib.Autoregressive(s.sampling, max_turn_tokens=s.max_turn_tokens,
+                                        return_hidden=s.return_hidden)
+    if s.adaptive is not None:
+      return decoder_lib.Adaptive(s.sampling, s.decode_mode, s.adaptive,
+                                  acceptance=s.acceptance, max_turn_tokens=s.max_turn_tokens,
+                                  draft_vocab=vocab)
+    return decoder_lib.Speculative(s.sampling, s.decode_mode, self.num_draft_steps,
+                                   max_turn_tokens=s.max_turn_tokens, draft_vocab=vocab)
 
   def update_params(self, params: nnx.State, policy_version: int) -> None:
     self.params, self.policy_version = params, policy_version
@@ -107,29 +122,16 @@ class JaxEngine(base.RolloutEngine):
     envs = [task.environment(ex) for task, ex in zip(task_objs, examples)]
     stop_tokens = (tok.eos_id, tok.call_end_id)
     row_stops = np.array([[True, task.multi_turn] for task in task_objs], bool).reshape(-1, 2)
-    common = dict(tokenizer=tok, batch_size=s.batch_size, max_new_tokens=s.max_new_tokens,
-                  params=s.sampling, stop_tokens=stop_tokens, row_stops=row_stops,
-                  max_turn_tokens=s.max_turn_tokens,
-                  max_turns=max((task.max_turns for task in task_objs), default=1),
-                  prompt_buckets=s.prompt_buckets)
-    if s.engine == "speculative":
-      stats = []
-      episodes = episodes_lib.speculative_episodes(
-          self.graphdef, params, prompts, envs, rng, mode=s.decode_mode,
-          num_draft_steps=self.num_draft_steps, draft_vocab=s.draft_vocab,
-          adaptive_settings=s.adaptive, acceptance=s.acceptance, adaptive_stats=stats,
-          **common)
-    else:
-      episodes = episodes_lib.autoregressive_episodes(self.graphdef, params, prompts, envs,
-                                                    rng, return_hidden=s.return_hidden,
-                                                    **common)
+    decoder = self.decoder()
+    episodes = episodes_lib.decode_episodes(
+        decoder, self.graphdef, params, prompts, envs, rng, tokenizer=tok,
+        batch_size=s.batch_size, max_new_tokens=s.max_new_tokens, stop_tokens=stop_tokens,
+        row_stops=row_stops, max_turns=max((task.max_turns for task in task_objs), default=1),
+        prompt_buckets=s.prompt_buckets)
     rollouts = base.rollouts_from_episodes(
         episodes, prompts, [tasks_lib.TASK_NAMES.index(ex.task) for ex in examples],
         max_new_tokens=s.max_new_tokens, num_draft_steps=self.num_draft_steps,
         policy_version=policy_version, seconds=time.perf_counter() - start)
-    if s.engine == "speculative" and s.adaptive is not None:
-      rollouts.k_iterations = {}
-      for st in stats:
-        for k, n in st.k_iterations.items():
-          rollouts.k_iterations[k] = rollouts.k_iterations.get(k, 0) + n
+    if isinstance(decoder, decoder_lib.Adaptive):
+      rollouts.k_iterations = decoder.k_iterations()
     return rollouts

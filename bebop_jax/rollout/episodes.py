@@ -1,4 +1,4 @@
-"""Episodes: policy turns with an environment in the loop, for both decoding loops.
+"""Episodes: policy turns with an environment in the loop, for every decoder.
 
 An episode decodes a policy turn until a stop token (end of sequence, or for multi-turn
 tasks the end of a tool call), the per-turn token limit or the completion budget; the turn's
@@ -9,16 +9,16 @@ unless the environment gave one). An episode is `truncated` when a length limit 
 last policy turn reached the completion budget or `max_turn_tokens` without a stop token,
 or the environment's reply did not fit in the budget left.
 
-Both loops keep their caches across turns, as a serving engine's prefix cache does; a chunk
-of `batch_size` rows keeps its rows in their slots across turns:
-- `speculative_episodes`: `speculative.continue_with_reply` prefills a reply into the main
-  cache and every MTP depth and continues drafting.
-- `autoregressive_episodes`: `autoregressive.continue_with_reply` runs one target forward
-  over the reply and continues decoding. With `continuation=False` it instead decodes
-  every turn from the whole context (prompt, earlier turns and replies as token ids, never
-  re-tokenized): the baseline without a prefix cache. Both consume a row's random keys
-  identically (per-row keys split once per sampled token, carried across turns), so the
-  two give the same episodes for the same key, up to float rounding of the logits.
+`decode_episodes` is the one episode loop. It takes any decoder of decoding/decoder.py
+(autoregressive, speculative with a fixed K, adaptive) and keeps each chunk's caches across
+turns, as a serving engine's prefix cache does: a chunk of `batch_size` rows keeps its rows
+in their slots, and `decoder.continue_with_reply` appends the replies to the caches and
+decodes the next turn. `reencoded_episodes` is the baseline without a prefix cache: it
+decodes every turn autoregressively from the whole context (prompt, earlier turns and
+replies as token ids, never re-tokenized). The autoregressive decoder and the baseline
+consume a row's random keys identically (per-row keys split once per sampled token, carried
+across turns), so the two give the same episodes for the same key, up to float rounding of
+the logits.
 
 Host work per turn is the environment call (Python) and one transfer of the output so far.
 The caller's tokenizer (`tokenizer=`, the one that encoded the prompts) decodes each turn
@@ -32,16 +32,15 @@ so each shape compiles once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from bebop_jax.data.tokenizer import BaseTokenizer
-from bebop_jax.decoding import autoregressive, batching, sampling, segments, speculative
+from bebop_jax.decoding import autoregressive, batching, sampling
+from bebop_jax.decoding import decoder as decoder_lib
 
 
 @dataclasses.dataclass
@@ -172,112 +171,20 @@ def _turns_in_slots(ds, continue_fn, envs, stop_sets, *, tokenizer: BaseTokenize
   return ds, reward, turns, ended, truncated
 
 
-def speculative_episodes(graphdef: nnx.GraphDef, state: nnx.State,
-                         prompts: Sequence[Sequence[int]], environments: Sequence[Any],
-                         rng: jax.Array, *, tokenizer: BaseTokenizer, batch_size: int,
-                         max_new_tokens: int, params: sampling.SamplingParams, mode: str,
-                         stop_tokens: Sequence[int], row_stops: np.ndarray | None = None,
-                         max_turn_tokens: int | None = None, max_turns: int = 16,
-                         prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS,
-                         num_draft_steps: int | None = None,
-                         draft_vocab: Sequence[int] | None = None,
-                         adaptive_settings: Any = None,
-                         acceptance: Sequence[float] | None = None,
-                         adaptive_stats: list | None = None) -> list[Episode]:
-  """One episode per (prompt token list, environment) with speculative decoding; see the
-  module docstring. `tokenizer` decodes the policy's turns for the environments (a turn's
-  final `tokenizer.eos_id` is not text), encodes their replies and gives the bos id of the
-  padding rows; `stop_tokens` are ids of the same tokenizer. `row_stops` [num_prompts, S]
-  bool selects each prompt's stop tokens (default: all). The cache holds the prompt bucket
-  plus `max_new_tokens` plus the draft lookahead. `draft_vocab`: optional token ids the
-  drafter is restricted to (speculative._decode). `adaptive_settings` (adaptive.Settings):
-  decode with an adaptive draft length (decoding/segments.py; k_max replaces
-  num_draft_steps), its estimate seeded with `acceptance`; each call's segments.Stats is
-  appended to `adaptive_stats`."""
-  stop_tokens = tuple(int(t) for t in stop_tokens)
-  _check_inputs(prompts, environments, row_stops, stop_tokens)
-  common = dict(params=params, mode=mode, max_turn_tokens=max_turn_tokens,
-                draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab,
-                                                                          jnp.int32))
-  if adaptive_settings is None:
-    lookahead = num_draft_steps or nnx.merge(graphdef, state).config.num_draft_steps
-    start = functools.partial(speculative.start, num_draft_steps=num_draft_steps, **common)
-    resume = functools.partial(speculative.continue_with_reply, **common)
-  else:  # segments.start / continue_with_reply, each call's Stats kept
-    stats = adaptive_stats if adaptive_stats is not None else []
-    lookahead = max(adaptive_settings.k_max, 1)
-    common.update(settings=adaptive_settings, acceptance=acceptance)
-
-    def keep(fn):
-      def call(*args, **kwargs):
-        ds, st = fn(*args, **kwargs)
-        stats.append(st)
-        return ds
-      return call
-    start = keep(functools.partial(segments.start, **common))
-    resume = keep(functools.partial(segments.continue_with_reply, **common))
-
-  episodes: list[Episode] = []
-  for first in range(0, len(prompts), batch_size):
-    chunk = prompts[first:first + batch_size]
-    envs = list(environments[first:first + batch_size])
-    n = len(chunk)
-    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
-                                       fill_id=tokenizer.bos_id)
-    rng, key = jax.random.split(rng)
-    ds = start(graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
-               cache_length=prompt.shape[1] + max_new_tokens + lookahead + 1,
-               stop_tokens=stop_tokens,
-               row_stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)))
-    ds, reward, turns, ended, truncated = _turns_in_slots(
-        ds, lambda ds, replies, reply_lengths: resume(graphdef, state, ds, replies,
-                                                      reply_lengths),
-        envs, _stop_sets(stop_tokens, row_stops, first, n), tokenizer=tokenizer,
-        batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns)
-    episodes += _speculative_chunk_episodes(jax.device_get(ds.out), n, reward, turns, ended,
-                                            truncated)
-  return episodes
-
-
-def _speculative_chunk_episodes(out, n, reward, turns, ended, truncated) -> list[Episode]:
-  """The first n rows of a speculative chunk's output as episodes."""
-  episodes = []
-  for i in range(n):
-    m = int(out.lengths[i])
-    episodes.append(Episode(
-        tokens=out.tokens[i, :m].tolist(), policy_mask=out.policy_mask[i, :m].tolist(),
-        logprobs=out.logprobs[i, :m].tolist(), entropy=out.entropy[i, :m].tolist(),
-        reward=reward[i], turns=turns[i], done=ended[i],
-        attempted=np.asarray(out.attempted[i], np.int64),
-        accepted=np.asarray(out.accepted[i], np.int64),
-        target_forwards=int(out.row_forwards[i]),
-        emitted_by_forwards=int(out.emitted_by_forwards[i]), truncated=truncated[i]))
-  return episodes
-
-
-def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
-                            prompts: Sequence[Sequence[int]], environments: Sequence[Any],
-                            rng: jax.Array, *, tokenizer: BaseTokenizer, batch_size: int,
-                            max_new_tokens: int, params: sampling.SamplingParams,
-                            stop_tokens: Sequence[int],
-                            row_stops: np.ndarray | None = None,
-                            max_turn_tokens: int | None = None, max_turns: int = 16,
-                            prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS,
-                            continuation: bool = True, return_hidden: bool = False
-                            ) -> list[Episode]:
-  """One episode per (prompt token list, environment) with plain autoregressive decoding;
-  same contract as `speculative_episodes`.
-
-  continuation=True keeps each chunk's cache across turns (`autoregressive.start`, then
-  `autoregressive.continue_with_reply`); the cache holds the prompt bucket plus
-  `max_new_tokens`. continuation=False decodes every turn from the whole context, packing
-  a chunk's live rows into one batch; contexts are bucketed (`prompt_buckets` must hold
-  the longest prompt + completion). Both give the same episodes for the same `rng` (see
-  the module docstring). `return_hidden` (with continuation): each episode keeps the main
-  model's h0 at its prompt and completion positions (autoregressive.DecodeOutput.hidden).
-  """
-  if return_hidden and not continuation:
-    raise ValueError("return_hidden needs continuation=True (one cache per chunk)")
+def decode_episodes(decoder: decoder_lib.Decoder, graphdef: nnx.GraphDef, state: nnx.State,
+                    prompts: Sequence[Sequence[int]], environments: Sequence[Any],
+                    rng: jax.Array, *, tokenizer: BaseTokenizer, batch_size: int,
+                    max_new_tokens: int, stop_tokens: Sequence[int],
+                    row_stops: np.ndarray | None = None, max_turns: int = 16,
+                    prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS
+                    ) -> list[Episode]:
+  """One episode per (prompt token list, environment), decoded by `decoder` (any of
+  decoding/decoder.py: autoregressive, speculative or adaptive) with each chunk's caches
+  kept across turns; see the module docstring. `tokenizer` decodes the policy's turns for
+  the environments (a turn's final `tokenizer.eos_id` is not text), encodes their replies
+  and gives the bos id of the padding rows; `stop_tokens` are ids of the same tokenizer.
+  `row_stops` [num_prompts, S] bool selects each prompt's stop tokens (default: all). The
+  cache holds the prompt bucket plus `max_new_tokens` plus the decoder's lookahead."""
   stop_tokens = tuple(int(t) for t in stop_tokens)
   _check_inputs(prompts, environments, row_stops, stop_tokens)
   episodes: list[Episode] = []
@@ -285,50 +192,62 @@ def autoregressive_episodes(graphdef: nnx.GraphDef, state: nnx.State,
     chunk = [list(p) for p in prompts[first:first + batch_size]]
     envs = list(environments[first:first + batch_size])
     n = len(chunk)
+    prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
+                                       fill_id=tokenizer.bos_id)
     rng, key = jax.random.split(rng)
-    common = dict(tokenizer=tokenizer, batch_size=batch_size,
-                  max_new_tokens=max_new_tokens, params=params, stop_tokens=stop_tokens,
-                  stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)),
-                  stop_sets=_stop_sets(stop_tokens, row_stops, first, n),
-                  max_turn_tokens=max_turn_tokens, max_turns=max_turns,
-                  prompt_buckets=prompt_buckets)
-    if continuation:
-      episodes += _autoregressive_chunk(graphdef, state, chunk, envs, key,
-                                        return_hidden=return_hidden, **common)
-    else:
-      episodes += _reencoded_chunk(graphdef, state, chunk, envs, key, **common)
+    lookahead = decoder.lookahead + 1 if decoder.lookahead else 0
+    ds = decoder.start(graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
+                       cache_length=prompt.shape[1] + max_new_tokens + lookahead,
+                       stop_tokens=stop_tokens,
+                       row_stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)))
+    ds, reward, turns, ended, truncated = _turns_in_slots(
+        ds, lambda ds, replies, reply_lengths: decoder.continue_with_reply(
+            graphdef, state, ds, replies, reply_lengths),
+        envs, _stop_sets(stop_tokens, row_stops, first, n), tokenizer=tokenizer,
+        batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns)
+    out = jax.device_get(ds.out)
+    hidden = getattr(out, "hidden", None)
+    for i in range(n):
+      m = int(out.lengths[i])
+      attempted, accepted, forwards = decoder.draft_counts(out, i)
+      episodes.append(Episode(
+          tokens=out.tokens[i, :m].tolist(), policy_mask=out.policy_mask[i, :m].tolist(),
+          logprobs=out.logprobs[i, :m].tolist(), entropy=out.entropy[i, :m].tolist(),
+          reward=reward[i], turns=turns[i], done=ended[i], attempted=attempted,
+          accepted=accepted, target_forwards=forwards,
+          emitted_by_forwards=int(out.emitted_by_forwards[i]), truncated=truncated[i],
+          hidden=None if hidden is None else hidden[i, :len(chunk[i]) + m]))
   return episodes
 
 
-def _autoregressive_chunk(graphdef, state, chunk, envs, key, *, tokenizer, batch_size,
-                          max_new_tokens, params, stop_tokens, stops, stop_sets,
-                          max_turn_tokens, max_turns, prompt_buckets,
-                          return_hidden=False) -> list[Episode]:
-  """One chunk's episodes with the cache kept across turns."""
-  prompt, lengths = batching.pad_rows(chunk, batch_size, prompt_buckets,
-                                     fill_id=tokenizer.bos_id)
-  ds = autoregressive.start(
-      graphdef, state, prompt, lengths, key, max_new_tokens=max_new_tokens,
-      cache_length=prompt.shape[1] + max_new_tokens, params=params, stop_tokens=stop_tokens,
-      row_stops=stops, max_turn_tokens=max_turn_tokens, return_hidden=return_hidden)
-  ds, reward, turns, ended, truncated = _turns_in_slots(
-      ds, lambda ds, replies, reply_lengths: autoregressive.continue_with_reply(
-          graphdef, state, ds, replies, reply_lengths, params=params,
-          max_turn_tokens=max_turn_tokens),
-      envs, stop_sets, tokenizer=tokenizer, batch_size=batch_size,
-      max_new_tokens=max_new_tokens, max_turns=max_turns)
-  out = jax.device_get(ds.out)
-  episodes = []
-  for i in range(len(chunk)):
-    m = int(out.lengths[i])
-    forwards = int(out.emitted_by_forwards[i])  # one emitted token per forward
-    episodes.append(Episode(
-        tokens=out.tokens[i, :m].tolist(), policy_mask=out.policy_mask[i, :m].tolist(),
-        logprobs=out.logprobs[i, :m].tolist(), entropy=out.entropy[i, :m].tolist(),
-        reward=reward[i], turns=turns[i], done=ended[i],
-        attempted=np.zeros(0, np.int64), accepted=np.zeros(0, np.int64),
-        target_forwards=forwards, emitted_by_forwards=forwards, truncated=truncated[i],
-        hidden=None if out.hidden is None else out.hidden[i, :len(chunk[i]) + m]))
+def reencoded_episodes(graphdef: nnx.GraphDef, state: nnx.State,
+                       prompts: Sequence[Sequence[int]], environments: Sequence[Any],
+                       rng: jax.Array, *, tokenizer: BaseTokenizer, batch_size: int,
+                       max_new_tokens: int, params: sampling.SamplingParams,
+                       stop_tokens: Sequence[int], row_stops: np.ndarray | None = None,
+                       max_turn_tokens: int | None = None, max_turns: int = 16,
+                       prompt_buckets: Sequence[int] = batching.PROMPT_BUCKETS
+                       ) -> list[Episode]:
+  """The baseline without a prefix cache: autoregressive episodes that decode every turn
+  from the whole context, packing a chunk's live rows into one batch; contexts are bucketed
+  (`prompt_buckets` must hold the longest prompt + completion). Same arguments as
+  `decode_episodes` with `decoder_lib.Autoregressive(params, max_turn_tokens)`, and the same
+  episodes for the same `rng` up to float rounding (see the module docstring): the
+  reference the cached loop is tested against, and the benchmarks' no-cache baseline."""
+  stop_tokens = tuple(int(t) for t in stop_tokens)
+  _check_inputs(prompts, environments, row_stops, stop_tokens)
+  episodes: list[Episode] = []
+  for first in range(0, len(prompts), batch_size):
+    chunk = [list(p) for p in prompts[first:first + batch_size]]
+    n = len(chunk)
+    rng, key = jax.random.split(rng)
+    episodes += _reencoded_chunk(
+        graphdef, state, chunk, list(environments[first:first + batch_size]), key,
+        tokenizer=tokenizer, batch_size=batch_size, max_new_tokens=max_new_tokens,
+        params=params, stop_tokens=stop_tokens,
+        stops=_row_stops(row_stops, first, n, batch_size, len(stop_tokens)),
+        stop_sets=_stop_sets(stop_tokens, row_stops, first, n),
+        max_turn_tokens=max_turn_tokens, max_turns=max_turns, prompt_buckets=prompt_buckets)
   return episodes
 
 
