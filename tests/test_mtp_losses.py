@@ -66,7 +66,8 @@ def test_every_loss_equals_an_independent_numpy_computation(implementation):
   e2e = np.mean([1 - np.mean([np.prod(alpha[:k + 1, b, i]) for k in range(K)])
                  for b in range(B) for i in range(T) if chain[b, i]])
   expected = {"e2e_tv": e2e, "tv": np.mean(1 - per_depth(alpha)), "kl": np.mean(per_depth(kl)),
-              "ce": np.mean(per_depth(ce))}
+              "ce": np.mean(per_depth(ce)), "lk": np.mean(per_depth(-np.log(np.where(valid, alpha, 1.0))))}
+  assert set(expected) == set(mtp_losses.LOSSES)
   for loss, value in expected.items():
     got, metrics = mtp_losses.mtp_loss(out, jnp.asarray(tokens), jnp.asarray(loss_mask),
                                        loss=loss, tv_implementation=implementation)
@@ -100,6 +101,30 @@ def test_e2e_tv_gradient_matches_the_dense_reference():
   np.testing.assert_allclose(np.asarray(grad("xla_blockwise")), np.asarray(grad("reference")),
                              atol=1e-6)
   assert np.abs(np.asarray(grad("reference"))).max() > 1e-4
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla_blockwise"])
+def test_lk_gradient_equals_the_analytic_gradient_of_minus_log_alpha(implementation):
+  """d(-log alpha)/dz_j = -(1/alpha) q_j (1[q_j < p_j] - sum_v 1[q_v < p_v] q_v) for draft
+  logits z (q = softmax z, alpha = sum_v min(p_v, q_v)), averaged per depth over its valid
+  positions and over depths: by loops, from the definition."""
+  out, tokens, loss_mask, (logits, mtp_logits, mask) = _fake_out(seed=2)
+  alpha, _, _, valid = _numpy_terms(logits, mtp_logits, mask, tokens, loss_mask)
+  want = np.zeros((K, B, T, V))
+  for k in range(K):
+    for b in range(B):
+      for i in range(T):
+        if not valid[k, b, i]:
+          continue
+        p, q = _softmax(logits[b, i + k + 1]), _softmax(mtp_logits[k, b, i])
+        below = (q < p).astype(np.float64)
+        d_alpha = q * (below - np.sum(below * q))
+        want[k, b, i] = -d_alpha / alpha[k, b, i] / valid[k].sum() / K
+  f = lambda m: mtp_losses.mtp_loss(out | {"mtp_logits": m}, tokens, loss_mask, loss="lk",
+                                    tv_implementation=implementation)[0]
+  got = np.asarray(jax.grad(f)(out["mtp_logits"]))
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert np.abs(want).max() > 1e-3
 
 
 @pytest.mark.parametrize("loss", ["ce", "e2e_tv"])

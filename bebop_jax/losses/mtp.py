@@ -10,7 +10,10 @@ positions (the chain mask `mtp_mask[k]`, and x_{i+k+1} a loss target):
           normalised expected accepted length of K-step rejection sampling. The product runs
           along the chain at the same start i, so only positions where every depth is valid
           count.
-`depth_weights` (K non-negative numbers) weight the per-depth means of ce / kl / tv and the
+  lk      -log alpha_k = -log(1 - TV_k): the LK losses' negative log-acceptance (Samarin et
+          al., arXiv 2602.23881), per position, so a draft far from its target (alpha near
+          0) gets TV's gradient scaled by 1 / alpha; alpha is floored at LK_MIN_ALPHA.
+`depth_weights` (K non-negative numbers) weight the per-depth means of ce / kl / tv / lk and the
 terms of e2e_tv (normalised to sum to 1). Whatever is trained, the metrics report per depth
 alpha_k, tv_k, kl_k, ce_k, and the expected accepted length sum_k prod_{j<=k} alpha_j.
 The TV goes through `pallas_kernels.tv_loss.tv_distance` (analytic gradient, streamed over
@@ -35,7 +38,8 @@ from bebop_jax.model.model import shift_left
 from pallas_kernels.fused_head import fused_head
 from pallas_kernels.tv_loss import tv_distance
 
-LOSSES = ("ce", "kl", "tv", "e2e_tv")
+LOSSES = ("ce", "kl", "tv", "e2e_tv", "lk")
+LK_MIN_ALPHA = 1e-6  # lk's floor on alpha: -log alpha stays finite where p and q are disjoint
 LOGITS_AXES = (None, "batch", "length", "vocab")  # the chain's [K, B, T, V] logits
 
 
@@ -259,7 +263,10 @@ def mtp_loss(out: dict[str, jax.Array], tokens: jax.Array, loss_mask: jax.Array,
   if loss == "e2e_tv":
     value = _masked_mean(1.0 - jnp.einsum("k,kbt->bt", w, prods), chain_mask)
   else:
-    value = jnp.sum(w * per_depth({"tv": tv, "ce": ce, "kl": kl}[loss]))
+    per_position = {"tv": tv, "ce": ce, "kl": kl}.get(loss)
+    if loss == "lk":
+      per_position = -jnp.log(jnp.maximum(alpha, LK_MIN_ALPHA))
+    value = jnp.sum(w * per_depth(per_position))
 
   metrics = {"loss": value, "positions": jnp.sum(chain_mask)}
   sg = jax.lax.stop_gradient
