@@ -177,3 +177,50 @@ def test_held_out_evaluations_are_read_in_integer_step_order():
   assert points["eval_steps"] == [0, 6, 12]
   assert [a[0] for a in points["eval_acceptance"]["rejection"]] == [0.0, 0.06, 0.12]
   assert points["eval_pass_at_1"] == [0.0, 0.3, 0.6]
+
+
+def test_bootstrap_of_a_mean_matches_its_normal_interval_and_vector_statistics():
+  """The percentile bootstrap of a sample mean against mean +- 1.96 s / sqrt(n) (large n,
+  where the two agree), entry by entry for a vector statistic; resamples are reproducible
+  from the seed; fewer than two units give no interval."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(1.0, 2.0, 400)
+  y = rng.exponential(1.0, 400)
+  b = stats.bootstrap(lambda i: np.array([x[i].mean(), y[i].mean()]), 400, draws=4000, seed=1)
+  for j, v in enumerate((x, y)):
+    half = 1.96 * v.std(ddof=1) / np.sqrt(v.size)
+    assert b["value"][j] == pytest.approx(v.mean())
+    assert b["ci95"][0][j] == pytest.approx(v.mean() - half, abs=0.15 * half)
+    assert b["ci95"][1][j] == pytest.approx(v.mean() + half, abs=0.15 * half)
+    assert b["se"][j] == pytest.approx(half / 1.96, rel=0.1)
+  again = stats.bootstrap(lambda i: np.array([x[i].mean(), y[i].mean()]), 400, draws=4000,
+                          seed=1)
+  assert again["ci95"] == b["ci95"]
+  one = stats.bootstrap(lambda i: x[i].mean(), 1)
+  assert np.isnan(one["ci95"][0]) and one["draws"] == 0
+
+
+def test_rescoring_points_from_sequence_sums_equal_the_pooled_ratios():
+  """acceptance_entropy.points_from_units over every sequence: per temperature, the entropy
+  and per-depth acceptance pooled over all positions (sum over sequences / count), and a
+  resample with repeats weights each sequence by its multiplicity."""
+  from experiments.findings import acceptance_entropy  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  temps, n, k = 3, 5, 2
+  count = rng.integers(1, 9, n).astype(float)
+  ent = rng.uniform(0, 2, (temps, n)) * count
+  alpha = {m: rng.uniform(0, 1, (temps, n, k)) * count[None, :, None]
+           for m in ("rejection", "greedy_draft")}
+  units = {"temperature": np.arange(temps, dtype=float), "entropy_sum": ent,
+           "entropy_count": count, "alpha_sum": alpha,
+           "alpha_count": np.repeat(count[:, None], k, 1)}
+  pts = acceptance_entropy.points_from_units(units, np.arange(n))
+  for t in range(temps):
+    assert pts["rejection"]["entropy"][t] == pytest.approx(ent[t].sum() / count.sum())
+    per_depth = alpha["greedy_draft"][t].sum(0) / count.sum()
+    assert pts["greedy_draft"]["depth1"][t] == pytest.approx(per_depth[0])
+    assert pts["greedy_draft"]["mean"][t] == pytest.approx(per_depth.mean())
+  twice = acceptance_entropy.points_from_units(units, np.array([0, 0, 3]))
+  w = np.array([2 * count[0], count[3]])
+  assert twice["rejection"]["depth1"][1] == pytest.approx(
+      (2 * alpha["rejection"][1, 0, 0] + alpha["rejection"][1, 3, 0]) / w.sum())

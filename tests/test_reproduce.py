@@ -90,7 +90,8 @@ def test_numbers_are_measured_not_constant(smoke):
   obj = _finding(workdir, "objectives")["data"]
   runs = obj["runs"]
   assert {(r["loss"], r["seed"]) for r in runs} == {
-      (loss, s) for loss in ("ce", "kl", "tv", "e2e_tv") for s in range(scale.seeds)}
+      (loss, s) for loss in ("ce", "kl", "tv", "e2e_tv", "lk") for s in range(scale.seeds)}
+  assert scale.objectives == ("ce", "kl", "tv", "e2e_tv", "lk")
   accs = [r["acceptance"] for r in runs if r["task"] == "all" and r["mode"] == "rejection"]
   assert np.all((np.asarray(accs) >= 0) & (np.asarray(accs) <= 1))
   assert np.std(accs) > 0
@@ -100,8 +101,9 @@ def test_numbers_are_measured_not_constant(smoke):
   assert obj["scratch"]["seeds"] == scale.seeds
   assert obj["scratch"]["acceptance_mean"] != comp["acceptance_mean"]
   assert "From scratch" in _finding(workdir, "objectives")["markdown"]
-  for loss in ("kl", "tv", "e2e_tv"):
+  for loss in ("kl", "tv", "e2e_tv", "lk"):
     assert comp["paired"][loss]["df"] == scale.seeds - 1
+  assert set(comp["e2e_vs"]) == {"ce", "kl", "tv", "lk"}
   # F1/F2: raising the temperature raises the policy's entropy; the RL-step points are the
   # entropy RL run's, fitted as a series; every fit reports the entropy range it covers.
   f1 = _finding(workdir, acceptance_entropy.NAME_F1)["data"]
@@ -120,6 +122,14 @@ def test_numbers_are_measured_not_constant(smoke):
   series = fits["rl_steps"]["depth1"]["rejection"]
   assert series["ordered"] and series["corrected"] and "residual_lag1_autocorrelation" in series
   assert not fits["rescoring"]["depth1"]["rejection"]["ordered"]
+  # The re-scoring slopes' bootstrap over the held-out sequences, and the RL run's fitted
+  # entropy change, which F1 version 3 decides on.
+  boot = fits["rescoring"]["depth1"]["rejection"]["bootstrap"]
+  assert boot["units"] >= 2 and boot["draws"] > 0
+  assert boot["slope_ci95"][0] <= boot["slope_ci95"][1]
+  assert fits["rescoring"]["depth1"]["difference"]["bootstrap"]["units"] == boot["units"]
+  drift = fits["rl_steps"]["entropy_drift"]
+  assert drift["span"] == scale.rl_steps - 1 and len(drift["change_ci95"]) == 2
   # F4: every arm ran every step; the online and periodic arms pay for their MTP updates.
   arms = _finding(workdir, "through_rl")["data"]["arms"]
   assert set(arms) == set(scale.drafter_arms)

@@ -57,8 +57,10 @@ def rl_step_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   return out
 
 
-def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
-  """{mode: {"temperature", "entropy", "depth1", "mean"}}: one point per temperature."""
+def rescored_points(ctx: common.Context) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+  """({mode: {"temperature", "entropy", "depth1", "mean"}}: one point per temperature, and
+  the per-sequence sums the points are ratios of (`bootstrap_units`), so that intervals can
+  resample the held-out prompts)."""
   from bebop_jax.decoding import batching, diagnostics, sampling  # pylint: disable=g-import-not-at-top
   config = ctx.drafter_config("e2e_tv", 0)
   workdir = ctx.drafter("e2e_tv", 0)
@@ -67,31 +69,91 @@ def rescored_points(ctx: common.Context) -> dict[str, dict[str, np.ndarray]]:
   vocab = lineage.stored_draft_vocabulary(workdir)  # the drafter drafts from its vocabulary
   vocab = None if vocab is None else jnp.asarray(vocab)
   length = batching.bucket(max(len(t) for t, _ in sequences), tuple(config.eval.prompt_buckets))
-  out = {mode: {"temperature": [], "entropy": [], "depth1": [], "mean": []}
-         for mode in common.MODES}
-  for t in ctx.scale.temperatures:
-    sp = sampling.SamplingParams(temperature=float(t))
-    ent_sum = ent_n = 0.0
-    alpha_sum = {mode: 0.0 for mode in common.MODES}
-    alpha_n = 0.0
+  n = len(sequences)
+  temps = [float(t) for t in ctx.scale.temperatures]
+  # Per temperature and sequence: summed entropy at depth 1's positions and summed
+  # acceptance per depth; per sequence: the position counts (the same at every temperature).
+  ent = np.zeros((len(temps), n))
+  alpha = {mode: None for mode in common.MODES}
+  ent_n, alpha_n = np.zeros(n), None
+  for ti, t in enumerate(temps):
+    sp = sampling.SamplingParams(temperature=t)
+    first = 0
     for seq, gen in diagnostics.padded_batches(sequences, config.eval.batch_size, length):
       r = jax.device_get(diagnostics.acceptance_by_position(  # one forward for all modes
           graphdef, params, jnp.asarray(seq), jnp.asarray(gen), vocab, params=sp,
           modes=common.MODES))
       m = np.asarray(r["mask"], float)                                      # [K, B, T]
-      ent_sum += float(np.sum(r["entropy"][0] * m[0]))
-      ent_n += float(m[0].sum())
+      rows = min(m.shape[1], n - first)
+      sl = slice(first, first + rows)
+      ent[ti, sl] = np.sum(r["entropy"][0] * m[0], axis=-1)[:rows]
+      if alpha_n is None:
+        alpha_n = np.zeros((n, m.shape[0]))
+        alpha = {mode: np.zeros((len(temps), n, m.shape[0])) for mode in common.MODES}
+      if ti == 0:
+        ent_n[sl] = m[0].sum(-1)[:rows]
+        alpha_n[sl] = m.sum(-1).T[:rows]
       for mode in common.MODES:
-        alpha_sum[mode] = alpha_sum[mode] + np.sum(r["alpha"][mode] * m, axis=(1, 2))
-      alpha_n = alpha_n + m.sum(axis=(1, 2))
-    for mode in common.MODES:
-      per_depth = alpha_sum[mode] / np.maximum(alpha_n, 1)
-      o = out[mode]
-      o["temperature"].append(float(t))
-      o["entropy"].append(ent_sum / max(ent_n, 1))
-      o["depth1"].append(float(per_depth[0]))
-      o["mean"].append(float(np.mean(per_depth)))
-  return {mode: {k: np.asarray(v) for k, v in o.items()} for mode, o in out.items()}
+        alpha[mode][ti, sl] = np.sum(r["alpha"][mode] * m, axis=-1).T[:rows]
+      first += rows
+  units = {"temperature": np.asarray(temps), "entropy_sum": ent, "entropy_count": ent_n,
+           "alpha_sum": alpha, "alpha_count": alpha_n}
+  return points_from_units(units, np.arange(n)), units
+
+
+def points_from_units(units: dict, index: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
+  """The re-scoring points of the sequences `index` (with repeats, for a bootstrap): per
+  temperature, the entropy and acceptance over their positions."""
+  entropy = units["entropy_sum"][:, index].sum(1) / max(units["entropy_count"][index].sum(), 1)
+  counts = np.maximum(units["alpha_count"][index].sum(0), 1)              # [K]
+  out = {}
+  for mode in common.MODES:
+    per_depth = units["alpha_sum"][mode][:, index].sum(1) / counts         # [temps, K]
+    out[mode] = {"temperature": units["temperature"], "entropy": entropy,
+                 "depth1": per_depth[:, 0], "mean": per_depth.mean(1)}
+  return out
+
+
+def _slope(x: np.ndarray, y: np.ndarray) -> float:
+  c = x - x.mean()
+  spread = float(np.sum(c * c))
+  return float(np.sum(c * (y - y.mean())) / spread) if spread > 0 else float("nan")
+
+
+def bootstrap_slopes(units: dict, *, draws: int = 2000, seed: int = 0) -> dict:
+  """{metric: {mode or "difference": stats.bootstrap of the least-squares slope against
+  entropy}}: the re-scoring points recomputed from resampled held-out sequences (the
+  prompts' sampling error; the same resample for every mode, metric and temperature)."""
+  keys = [(metric, mode) for metric in METRICS for mode in (*common.MODES, "difference")]
+
+  def statistic(index):
+    pts = points_from_units(units, index)
+    x = pts["rejection"]["entropy"]
+    out = []
+    for metric, mode in keys:
+      y = (pts["greedy_draft"][metric] - pts["rejection"][metric] if mode == "difference"
+           else pts[mode][metric])
+      out.append(_slope(x, y))
+    return np.asarray(out)
+
+  b = stats.bootstrap(statistic, len(units["entropy_count"]), draws=draws, seed=seed)
+  out: dict[str, dict] = {metric: {} for metric in METRICS}
+  for j, (metric, mode) in enumerate(keys):
+    out[metric][mode] = {"slope": b["value"][j], "slope_se": b["se"][j],
+                         "slope_ci95": [b["ci95"][0][j], b["ci95"][1][j]],
+                         "draws": b["draws"], "units": b["n"]}
+  return out
+
+
+def entropy_drift(by_mode: dict[str, dict[str, np.ndarray]]) -> dict | None:
+  """The fitted change of the batch entropy over an RL run (stats.fit_series against the
+  step, change over the run, with its autocorrelation-corrected 95% interval); None for
+  points without steps."""
+  rej = by_mode["rejection"]
+  if "step" not in rej or len(rej["step"]) < 2:
+    return None
+  fit = stats.fit_series(rej["step"], rej["entropy"])
+  return stats.change_over_run(fit, rej["step"])
 
 
 def slope_ratio(greedy: dict, rejection: dict) -> dict[str, float]:
@@ -104,10 +166,14 @@ def slope_ratio(greedy: dict, rejection: dict) -> dict[str, float]:
   return {"ratio": float(ratio), "ratio_se": se}
 
 
-def fits(points: dict[str, dict[str, dict[str, np.ndarray]]]) -> dict:
+def fits(points: dict[str, dict[str, dict[str, np.ndarray]]], units: dict | None = None,
+         draws: int = 2000) -> dict:
   """{source: {metric: {mode: fit, "ratio", "difference"}}}: a line per mode, the slope
   ratio, and the fit of the paired gap greedy_draft - rejection; sources in ORDERED's time
-  order (RL steps) with stats.fit_series, the others with stats.fit_line."""
+  order (RL steps) with stats.fit_series, the others with stats.fit_line. With the
+  re-scoring `units` (rescored_points), each re-scoring fit also gets "bootstrap": its
+  slope's percentile interval over resampled held-out sequences (bootstrap_slopes). An
+  ordered source with steps also gets "entropy_drift" (entropy_drift)."""
   out = {}
   for source, by_mode in points.items():
     fit = stats.fit_series if ORDERED.get(source, False) else stats.fit_line
@@ -120,6 +186,12 @@ def fits(points: dict[str, dict[str, dict[str, np.ndarray]]]) -> dict:
       f["difference"] = fit(by_mode["rejection"]["entropy"],
                             by_mode["greedy_draft"][metric] - by_mode["rejection"][metric])
       out[source][metric] = f
+    if ORDERED.get(source, False):
+      out[source]["entropy_drift"] = entropy_drift(by_mode)
+  if units is not None and "rescoring" in out:
+    for metric, by in bootstrap_slopes(units, draws=draws).items():
+      for mode, b in by.items():
+        out["rescoring"][metric][mode]["bootstrap"] = b
   return out
 
 
@@ -192,8 +264,9 @@ INTERVALS_NOTE = (
 
 def run(ctx: common.Context) -> list[common.Finding]:
   start = time.perf_counter()
-  points = {"rl_steps": rl_step_points(ctx), "rescoring": rescored_points(ctx)}
-  fit = fits(points)
+  rescored, units = rescored_points(ctx)
+  points = {"rl_steps": rl_step_points(ctx), "rescoring": rescored}
+  fit = fits(points, units)
   ranges = entropy_ranges(points)
   figure = plot(points, fit, ctx.out_dir)
   (v1, r1, rule1), (v2, r2, rule2) = verdicts(fit)

@@ -73,6 +73,8 @@ class Scale:
   rl_learning_rate: float | None = None  # the drafter arms' policy learning rate
   rl_clip_high: float | None = None      # their upper clip (DAPO's clip-higher: 0.28)
   rl_epochs: int | None = None           # their passes of policy updates per batch
+  # F3's objectives (objectives.LOSSES: ce, kl, tv, e2e_tv and the LK loss lk).
+  objectives: tuple[str, ...] = ("ce", "kl", "tv", "e2e_tv", "lk")
   objective_starts: tuple[str, ...] = ("warm",)  # F3's drafter starts: "warm" (the jointly
                                   # trained drafter, the paper's regime) and/or "scratch"
   # F4's arms (DRAFTER_ARMS keys); the frozen e2e_tv arm and its frozen_ce control always.
@@ -82,6 +84,10 @@ class Scale:
   gguf_checkpoint: str = ""
 
   def __post_init__(self):
+    from bebop_jax.losses import mtp as mtp_losses  # pylint: disable=g-import-not-at-top
+    if not {"ce", "e2e_tv"} <= set(self.objectives) <= set(mtp_losses.LOSSES):
+      raise ValueError(f"objectives={self.objectives!r}: each one of {mtp_losses.LOSSES}, "
+                       "with ce and e2e_tv among them")
     unknown = set(self.drafter_arms) - set(DRAFTER_ARMS)
     if unknown or not {"frozen_e2e_tv", "frozen_ce"} <= set(self.drafter_arms):
       raise ValueError(f"drafter_arms={self.drafter_arms!r}: each one of {tuple(DRAFTER_ARMS)},"

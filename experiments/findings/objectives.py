@@ -26,7 +26,13 @@ TITLE = "F3: the drafter's training objective"
 CLAIM = ("training the MTP drafter with per-step TV or, best, the end-to-end TV loss beats "
          "cross-entropy and KL; e2e-TV gives about +10% acceptance over CE.")
 PAPER_GAIN = 0.10  # the paper's relative acceptance gain of e2e-TV over CE
-LOSSES = ("ce", "kl", "tv", "e2e_tv")
+LOSSES = ("ce", "kl", "tv", "e2e_tv", "lk")  # every objective F3 can compare, in page order
+
+
+def _losses(present) -> list[str]:
+  """The objectives of LOSSES among `present`, in LOSSES order (ce and e2e_tv always run)."""
+  present = set(present)
+  return [loss for loss in LOSSES if loss in present]
 
 
 def collect(ctx: common.Context, start: str = "warm") -> list[dict]:
@@ -34,7 +40,7 @@ def collect(ctx: common.Context, start: str = "warm") -> list[dict]:
   (common.Context.drafter): acceptance per depth, tokens per target forward, pass@1 (tasks
   only)."""
   rows = []
-  for loss in LOSSES:
+  for loss in ctx.scale.objectives:
     for seed in range(ctx.scale.seeds):
       s = lineage.read_summary(ctx.drafter(loss, seed, start), "mtp")
       for mode, ev in s["after"]["online"].items():
@@ -75,7 +81,7 @@ def gains_over_ce(agg: list[dict], mode: str = "rejection") -> dict[str, dict]:
   ce = _get(agg, "ce", mode)
   ce_acc, ce_se = np.mean(ce["acceptance"]), np.sqrt(np.mean(np.square(ce["acceptance_se"])))
   out = {}
-  for loss in LOSSES:
+  for loss in _losses(a["loss"] for a in agg):
     a = _get(agg, loss, mode)
     acc, se = np.mean(a["acceptance"]), np.sqrt(np.mean(np.square(a["acceptance_se"])))
     out[loss] = {
@@ -106,17 +112,22 @@ def comparison(rows: list[dict], agg: list[dict], mode: str = "rejection") -> di
   the highest mean acceptance; "e2e_vs_best": per-seed acc_e2e_tv,k - acc_best,k; and
   "gains_over_ce" (gains_over_ce: standard errors of independent seeds)."""
   by = per_seed(rows, mode)
+  losses = _losses(by)
   seeds = sorted(set.intersection(*(set(v) for v in by.values())))
-  acc = {loss: np.asarray([by[loss][k]["acceptance_mean"] for k in seeds]) for loss in LOSSES}
+  acc = {loss: np.asarray([by[loss][k]["acceptance_mean"] for k in seeds]) for loss in losses}
   tpf = {loss: np.asarray([by[loss][k]["tokens_per_target_forward"] for k in seeds])
-         for loss in LOSSES}
-  best = max(LOSSES, key=lambda loss: acc[loss].mean())
+         for loss in losses}
+  best = max(losses, key=lambda loss: acc[loss].mean())
   return {
-      "mode": mode, "seeds": len(seeds),
-      "paired": {loss: stats.t_interval(acc[loss] / acc["ce"] - 1.0) for loss in LOSSES},
-      "paired_tpf": {loss: stats.t_interval(tpf[loss] - tpf["ce"]) for loss in LOSSES},
-      "acceptance_mean": {loss: float(acc[loss].mean()) for loss in LOSSES},
+      "mode": mode, "seeds": len(seeds), "losses": losses,
+      "paired": {loss: stats.t_interval(acc[loss] / acc["ce"] - 1.0) for loss in losses},
+      "paired_tpf": {loss: stats.t_interval(tpf[loss] - tpf["ce"]) for loss in losses},
+      "acceptance_mean": {loss: float(acc[loss].mean()) for loss in losses},
       "best": best, "e2e_vs_best": stats.t_interval(acc["e2e_tv"] - acc[best]),
+      # Per loss: acc_e2e_tv,k - acc_loss,k, seed by seed (F3 version 3 compares e2e-TV with
+      # every other objective, the LK loss included).
+      "e2e_vs": {loss: stats.t_interval(acc["e2e_tv"] - acc[loss]) for loss in losses
+                 if loss != "e2e_tv"},
       "gains_over_ce": gains_over_ce(agg, mode)}
 
 
@@ -126,7 +137,8 @@ def plot(agg: list[dict], out_dir: str, mode: str) -> str:
   fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 6.5), squeeze=False)
   for j, task in enumerate(tasks):
     ax = axes[0, j]
-    for loss in LOSSES:
+    losses = _losses(a["loss"] for a in agg)
+    for loss in losses:
       a = _get(agg, loss, mode, task)
       depths = np.arange(1, len(a["acceptance"]) + 1)
       ax.errorbar(depths, a["acceptance"], yerr=a["acceptance_se"], marker="o", capsize=3,
@@ -141,10 +153,10 @@ def plot(agg: list[dict], out_dir: str, mode: str) -> str:
     if j == 0:
       ax.legend(fontsize=8)
     ax = axes[1, j]
-    vals = [_get(agg, loss, mode, task) for loss in LOSSES]
-    ax.bar(LOSSES, [v["tokens_per_target_forward"] for v in vals],
+    vals = [_get(agg, loss, mode, task) for loss in losses]
+    ax.bar(losses, [v["tokens_per_target_forward"] for v in vals],
            yerr=[v["tokens_per_target_forward_se"] for v in vals], capsize=3,
-           color=["C0", "C1", "C2", "C3"])
+           color=[f"C{i}" for i in range(len(losses))])
     lo = min(v["tokens_per_target_forward"] for v in vals)
     ax.set_ylim(max(lo - 0.3, 0), None)
     ax.set_title(f"{task}: tokens per target forward")
@@ -178,7 +190,7 @@ def table(agg: list[dict], comp: dict) -> str:
             f"last column is the unpaired gain ± standard error of rule version 1.", "",
             "| loss | acceptance gain [95% t interval] | tokens / forward difference [95% t "
             "interval] | unpaired gain ± SE (version 1) |", "|---|---|---|---|"]
-  for loss in LOSSES:
+  for loss in comp["losses"]:
     if loss == "ce":
       continue
     g, d = comp["paired"][loss], comp["paired_tpf"][loss]
@@ -198,7 +210,7 @@ def scratch_table(comp: dict) -> str:
   n = comp["seeds"]
   lines = ["| loss | acceptance gain over ce [95% t interval] | tokens / forward difference "
            "[95% t interval] | mean acceptance |", "|---|---|---|---|"]
-  for loss in LOSSES:
+  for loss in comp["losses"]:
     g, d = comp["paired"][loss], comp["paired_tpf"][loss]
     cell = ("(reference)" if loss == "ce" else
             f"{g['mean']:+.2%} [{g['ci95'][0]:+.2%}, {g['ci95'][1]:+.2%}]")

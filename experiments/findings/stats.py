@@ -9,6 +9,8 @@
                         autocorrelated: the slope's interval is the wider of the Newey-West
                         (HAC, Bartlett kernel) interval and the AR(1) effective-sample-size one
   change_over_run       a series fit's slope times the span of x, with its interval
+  bootstrap             percentile interval of a statistic over resampled units (prompts),
+                        which includes the sampling error of the units themselves
 
 Every interval is two-sided 95% with the Student-t critical value of its own degrees of
 freedom: with 2 seeds (1 df) that value is 12.7, not 2.
@@ -17,7 +19,7 @@ freedom: with 2 seeds (1 df) that value is 12.7, not 2.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -176,3 +178,27 @@ def change_over_run(fit: dict[str, Any], steps: Sequence[float]) -> dict[str, An
   span = float(steps[-1] - steps[0]) if steps.size else 0.0
   return {"change": fit["slope"] * span, "change_ci95": [c * span for c in fit["slope_ci95"]],
           "span": span}
+
+
+def bootstrap(statistic: Callable[[np.ndarray], Any], n: int, *, draws: int = 2000,
+              seed: int = 0, level: float = LEVEL) -> dict[str, Any]:
+  """Percentile bootstrap over n units (for example prompts): `statistic(indices)` of the
+  whole sample (indices 0..n-1) and of `draws` resamples of n indices drawn with
+  replacement. The statistic may be a number or an array (each entry gets its interval).
+  Returns {"value", "se" (the resamples' standard deviation), "ci95" ([low, high], the
+  (1 - level)/2 and (1 + level)/2 percentiles of the resamples; entries along the first
+  axis), "draws", "n"}; resamples whose statistic is not finite are dropped. Fewer than two
+  units: nan interval."""
+  value = np.asarray(statistic(np.arange(n)), float)
+  if n < 2:
+    nan = np.full(value.shape, NAN)
+    return {"value": value.tolist(), "se": nan.tolist(), "ci95": [nan.tolist(), nan.tolist()],
+            "draws": 0, "n": n}
+  rng = np.random.default_rng(seed)
+  samples = np.asarray([statistic(rng.integers(0, n, n)) for _ in range(draws)], float)
+  ok = np.all(np.isfinite(samples.reshape(draws, -1)), axis=1)
+  samples = samples[ok]
+  tail = (1 - level) / 2 * 100
+  lo, hi = np.percentile(samples, [tail, 100 - tail], axis=0)
+  return {"value": value.tolist(), "se": samples.std(axis=0, ddof=1).tolist(),
+          "ci95": [lo.tolist(), hi.tolist()], "draws": int(ok.sum()), "n": n}

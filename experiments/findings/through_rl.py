@@ -103,17 +103,24 @@ def difference_of_differences(arm: dict, control: dict, mode: str = "rejection")
 
 def policy_movement(arm: dict) -> dict:
   """How far the policy moved in `arm`: the fitted change of its batch entropy over the run
-  (stats.fit_series, nats per token) and its held-out mean pass@1 change (the mean over
-  tasks of after - before on the same prompts)."""
+  (stats.fit_series, nats per token, with its corrected 95% interval) and its held-out mean
+  pass@1 change (the mean over tasks of after - before on the same prompts, with a normal
+  95% interval from the tasks' paired standard errors)."""
   steps = np.asarray(arm["steps"], float)
   ent = np.asarray(arm["entropy"], float)
   fit = stats.fit_series(steps, ent)
   change = stats.change_over_run(fit, steps)
   deltas = {t: d["delta"] for t, d in arm["pass_at_1_delta"].items()}
+  ses = [d.get("se", float("nan")) for d in arm["pass_at_1_delta"].values()]
+  mean = float(np.mean(list(deltas.values()))) if deltas else 0.0
+  # The mean over tasks of paired per-task differences (independent prompts per task): its
+  # standard error and normal 95% interval.
+  se = float(np.sqrt(np.sum(np.square(ses))) / len(ses)) if ses else float("nan")
   return {"entropy_change": change["change"], "entropy_change_ci95": change["change_ci95"],
           "entropy_first_last": [float(ent[0]), float(ent[-1])] if ent.size else [],
           **{f"entropy_{k}": v for k, v in stats.x_range(ent).items()},
-          "pass_at_1_change": float(np.mean(list(deltas.values()))) if deltas else 0.0,
+          "pass_at_1_change": mean, "pass_at_1_change_se": se,
+          "pass_at_1_change_ci95": [mean - 1.96 * se, mean + 1.96 * se],
           "pass_at_1_change_per_task": deltas}
 
 
