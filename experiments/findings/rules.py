@@ -31,7 +31,10 @@ Results the versions read (built by the finding modules):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
+import subprocess
 from typing import Any, Callable
 
 Decision = tuple[str, str]
@@ -43,6 +46,9 @@ MIN_ENTROPY_RANGE = 0.1     # nats a point set's entropy must span for its fit t
 MARGIN = 0.02               # acceptance a kept drafter may lose over the run (F4)
 MOVED_ENTROPY = 0.05        # nats of fitted batch-entropy change that count as a moving policy
 MOVED_PASS_AT_1 = 0.03      # held-out mean pass@1 change that counts as a moving policy
+ENTROPY_DRIFT = 0.1         # nats the fitted entropy change's interval must lie beyond (v3+)
+MIN_SEEDS = 3               # seeds F3 version 3 needs
+MIN_RL_STEPS = 48           # RL steps F4 version 3 needs
 PAPER_SPEEDUP = 1.8
 SPEEDUP_REPRODUCED = 0.8 * PAPER_SPEEDUP
 SPEEDUP_NOT_REPRODUCED = 1.1
@@ -73,7 +79,9 @@ class Rule:
 
   def evaluate(self, result: dict[str, Any]) -> dict[str, Any]:
     """Every version's decision on `result`: {"label", "current", "versions": [{"version",
-    "text", "history", "verdict", "reason"}, oldest first]}."""
+    "text", "history", "verdict", "reason", "commit"}, oldest first]}; "commit" is the git
+    commit that added the version's decision function (version_commit; None outside a git
+    checkout or before the version is committed)."""
     out = []
     for v in self.versions:
       verdict, reason = v.decide(result)
@@ -81,8 +89,42 @@ class Rule:
         raise ValueError(f"rule {self.label} v{v.number} gave verdict={verdict!r}: not one of "
                          f"{VERDICTS}")
       out.append({"version": v.number, "text": v.text, "history": v.history,
-                  "verdict": verdict, "reason": reason})
+                  "verdict": verdict, "reason": reason,
+                  "commit": version_commit(v.decide.__name__)})
     return {"label": self.label, "current": self.current.number, "versions": out}
+
+
+RULES_FILE = "experiments/findings/rules.py"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _git(*args: str, repo: str = REPO) -> str | None:
+  try:
+    out = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True,
+                         timeout=30, check=True)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip()
+
+
+@functools.lru_cache(maxsize=None)
+def version_commit(function: str, repo: str = REPO) -> str | None:
+  """The first commit whose rules.py defines `function` (a version's decision function,
+  e.g. "f1_v3"): when that version was committed. None outside a git checkout, with a
+  shallow history, or before it is committed."""
+  log = _git("log", "--reverse", "--format=%H", "-S", f"def {function}(", "--", RULES_FILE,
+             repo=repo)
+  return log.splitlines()[0] if log else None
+
+
+def artifact_after_rule(rule_commit: str | None, artifact: str, repo: str = REPO) -> bool:
+  """Whether the commit that last changed `artifact` (a path in the repository; its content
+  as committed) is a strict descendant of `rule_commit`: the data a rule judges was
+  committed after the rule. False when either is not committed."""
+  last = _git("log", "-1", "--format=%H", "--", artifact, repo=repo)
+  if not rule_commit or not last or last == rule_commit:
+    return False
+  return _git("merge-base", "--is-ancestor", rule_commit, last, repo=repo) is not None
 
 
 def _finite(*xs: float) -> bool:
@@ -204,6 +246,101 @@ def f2_v3(result: dict[str, Any]) -> Decision:
   return _f2_gap(result, guarded=True)
 
 
+def entropy_moved(change: dict[str, Any] | None, beyond: float = ENTROPY_DRIFT) -> bool:
+  """Whether a fitted entropy change's 95% interval lies entirely beyond +-`beyond` nats."""
+  if not change or not _finite(*change["change_ci95"]):
+    return False
+  lo, hi = change["change_ci95"]
+  return lo > beyond or hi < -beyond
+
+
+def _drift_text(change: dict[str, Any] | None) -> str:
+  if not change:
+    return "no fitted entropy change (no steps)"
+  return (f"fitted entropy change over the run {change['change']:+.3f} nats "
+          f"{_ci(change['change_ci95'])}")
+
+
+def _v3_states(result: dict[str, Any], pick, names: dict[str, str]) -> tuple[list, list, list]:
+  """Per point set and mode (or the gap): the slope state under version 3 of F1 (F2's
+  version 4), with the reasons a set cannot decide. `pick(fits_of_metric)` gives the fits
+  [(label, fit)] to judge; `names` maps "falls"/"rises" to the words of the finding."""
+  states, lines, blocked = [], [], []
+  drift = result["fits"]["rl_steps"].get("entropy_drift")
+  for source in SOURCES:
+    for label, fit in pick(result["fits"][source]["depth1"]):
+      if source == "rl_steps":
+        ci = fit["slope_ci95"]
+        if not entropy_moved(drift):
+          state = "policy entropy did not move"
+          blocked.append(f"the RL-step points' {_drift_text(drift)} does not lie beyond "
+                         f"+-{ENTROPY_DRIFT} nats")
+        elif not fit.get("corrected"):
+          state = "uncorrected"
+          blocked.append("the RL-step series was fitted without an autocorrelation correction")
+        else:
+          state = _slope_state(fit, ci, guarded=False)
+        kind = "HAC/AR(1)"
+      else:
+        b = fit.get("bootstrap")
+        ci = b["slope_ci95"] if b else [math.nan, math.nan]
+        state = _slope_state(fit, ci, guarded=False) if b else "no bootstrap"
+        if not b:
+          blocked.append("the re-scoring points have no bootstrap over prompts")
+        kind = f"bootstrap over {b['units']} sequences" if b else "none"
+      state = names.get(state, state)
+      states.append(state)
+      lines.append(f"{source} {label} {fit['slope']:+.3f} per nat {_ci(ci)} ({kind}): {state}")
+  return states, lines, sorted(set(blocked))
+
+
+def f1_v3(result: dict[str, Any]) -> Decision:
+  states, lines, blocked = _v3_states(
+      result, lambda f: [(mode, f[mode]) for mode in MODES], {})
+  text = ("Depth-1 slopes: " + "; ".join(lines) + ". RL-step points: " +
+          _drift_text(result["fits"]["rl_steps"].get("entropy_drift")) + ".")
+  if all(s == "falls" for s in states):
+    return "reproduced", "Acceptance falls with entropy in both modes and both point sets. " + text
+  if "rises" in states and "falls" not in states:
+    return "not reproduced", "Acceptance rises with entropy. " + text
+  if blocked:
+    return "inconclusive", "A point set cannot decide: " + "; ".join(blocked) + ". " + text
+  return "inconclusive", "Not every slope's interval lies below zero. " + text
+
+
+def f2_v4(result: dict[str, Any]) -> Decision:
+  states, lines, blocked = _v3_states(
+      result, lambda f: [("gap greedy_draft - rejection", f["difference"])],
+      {"falls": "widens", "rises": "narrows"})
+  text = ("Slope of the depth-1 gap: " + "; ".join(lines) + ". RL-step points: " +
+          _drift_text(result["fits"]["rl_steps"].get("entropy_drift")) + ".")
+  if all(s == "widens" for s in states):
+    return "reproduced", ("The gap between greedy drafts and rejection sampling widens with "
+                          "entropy (95% interval of its slope below zero) in both point sets. "
+                          + text)
+  if all(s == "narrows" for s in states):
+    return "not reproduced", "Greedy drafts fall less steeply in both point sets. " + text
+  if blocked:
+    return "inconclusive", "A point set cannot decide: " + "; ".join(blocked) + ". " + text
+  return "inconclusive", ("The gap's slope is not below zero beyond its 95% interval in every "
+                          "point set. " + text)
+
+
+_V3_POINTS = (
+    "RL-step points (one per step of F4's frozen e2e-TV arm) decide only when the 95% "
+    "interval of the fitted change of their batch entropy over the run (a line over the "
+    "steps, its interval corrected for autocorrelation: the wider of Newey-West and AR(1)) "
+    f"lies entirely beyond +-{ENTROPY_DRIFT} nats; their slope's interval gets the same "
+    "correction. Re-scoring points (one per temperature) get the slope's 95% percentile "
+    "bootstrap interval over the held-out sequences (2000 resamples; every temperature's "
+    "point recomputed from each resample, so the interval includes the prompts' sampling "
+    "error).")
+_V3_HISTORY = (
+    "Written and committed before any data of the runs it decides existed (the entropy gate "
+    "on a fitted change with its interval instead of the max - min range, which holds the "
+    "batch-to-batch task-mix spread; re-scoring intervals that include sampling error). "
+    "Older versions are shown on the same data.")
+
 _SERIES_NOTE = (
     "Points ordered in RL steps are a series whose noise is autocorrelated: their slope's "
     "interval is the wider of the Newey-West (HAC, Bartlett kernel, floor(4 (n/100)^(2/9)) "
@@ -227,6 +364,11 @@ F1 = Rule("acceptance_entropy", "F1", (
         "spanning 0.27-0.35 nats, r2 0.17), to stop a fit over batch-to-batch noise of a "
         "barely moving entropy, with autocorrelated points, from deciding; applied to data "
         "measured afterwards (F4's frozen e2e-TV arm at settings that move the policy).", f1_v2),
+    Version(3, (
+        "Per point set and mode (rejection, greedy_draft), a least-squares line of depth-1 "
+        "acceptance against mean entropy. " + _V3_POINTS + " Reproduced when every slope's "
+        "interval lies below zero; not reproduced when one lies above zero and none below; "
+        "otherwise inconclusive."), _V3_HISTORY, f1_v3),
 ))
 
 F2 = Rule("greedy_vs_rejection", "F2", (
@@ -252,6 +394,11 @@ F2 = Rule("greedy_vs_rejection", "F2", (
         "reproduced when it lies above zero in both; otherwise inconclusive."),
         "Written after version 2's verdicts on an earlier page had been seen, for the same "
         "reason as F1 version 2; applied to data measured afterwards.", f2_v3),
+    Version(4, (
+        "Paired on the same points: the depth-1 gap greedy_draft - rejection fitted against "
+        "entropy. " + _V3_POINTS + " Reproduced when the gap's slope interval lies below "
+        "zero in both point sets (the gap widens as entropy rises); not reproduced when it "
+        "lies above zero in both; otherwise inconclusive."), _V3_HISTORY, f2_v4),
 ))
 
 
@@ -305,6 +452,37 @@ def f3_v2(result: dict[str, Any]) -> Decision:
   return "inconclusive", text + " Not both intervals against CE lie above zero."
 
 
+def _pct_ci(x) -> str:
+  return f"[{x[0]:+.2%}, {x[1]:+.2%}]"
+
+
+def f3_v3(result: dict[str, Any]) -> Decision:
+  seeds, paired = result["seeds"], result["paired"]
+  e2e, tv = paired["e2e_tv"], paired["tv"]
+  others = result.get("e2e_vs", {})
+  pct = lambda x: f"{x['mean']:+.2%} {_pct_ci(x['ci95'])}"
+  text = (f"Paired by seed, rejection, mean acceptance over depths, relative to CE: e2e-TV "
+          f"{pct(e2e)}, per-step TV {pct(tv)}" +
+          "".join(f", {loss} {pct(paired[loss])}" for loss in result.get("losses", [])
+                  if loss not in ("ce", "tv", "e2e_tv")) +
+          f" (95% t intervals, {e2e['df']} df); e2e-TV minus each other objective: " +
+          ", ".join(f"{loss} {d['mean']:+.4f} {_ci(d['ci95'])}" for loss, d in others.items())
+          + f"; {seeds} seeds; the paper: about +10% over CE.")
+  if seeds < MIN_SEEDS or not _finite(*e2e["ci95"], *tv["ci95"]):
+    return "inconclusive", text + f" Fewer than {MIN_SEEDS} seeds."
+  if e2e["ci95"][1] < 0:
+    return "not reproduced", text + " e2e-TV is worse than CE (interval below zero)."
+  beaten_by = [loss for loss, d in others.items() if _finite(*d["ci95"]) and d["ci95"][1] < 0]
+  if e2e["ci95"][0] > 0 and tv["ci95"][0] > 0:
+    if not beaten_by:
+      return "reproduced", text + (" Both TV objectives beat CE (intervals above zero) and no "
+                                   "objective beats e2e-TV (no interval of e2e-TV minus it "
+                                   "lies below zero).")
+    return "inconclusive", text + (" Both TV objectives beat CE, but e2e-TV is below "
+                                   + ", ".join(beaten_by) + " (interval below zero).")
+  return "inconclusive", text + " Not both intervals against CE lie above zero."
+
+
 F3 = Rule("objectives", "F3", (
     Version(1, (
         "Relative gain in mean acceptance over depths against CE (rejection, all tasks) with "
@@ -324,6 +502,17 @@ F3 = Rule("objectives", "F3", (
         "Written after version 1's verdicts on an earlier page had been seen (2 seeds, where "
         "two standard errors are far narrower than a t interval at 1 df); applied to data "
         "measured afterwards, with at least 3 seeds at the laptop scale.", f3_v2),
+    Version(3, (
+        f"As version 2 over every objective the scale trains (ce, kl, tv, e2e_tv and lk, the "
+        f"LK losses' negative log-acceptance), at least {MIN_SEEDS} seeds, each seed the same "
+        f"data order and starting drafter for every objective. Reproduced when the paired "
+        f"intervals of e2e-TV - CE and per-step TV - CE both lie above zero and no objective "
+        f"beats e2e-TV (for no other objective does the per-seed interval of e2e-TV minus it "
+        f"lie below zero); not reproduced when e2e-TV - CE lies below zero; otherwise (fewer "
+        f"seeds included) inconclusive."),
+        "Written and committed before any data of the runs it decides existed: adds the LK "
+        "loss, an objective that also targets acceptance directly, as a contender e2e-TV must "
+        "not lose to, and a minimum of seeds.", f3_v3),
 ))
 
 
@@ -388,6 +577,53 @@ def f4_v2(result: dict[str, Any]) -> Decision:
                                  "against the control), or the held-out change does.")
 
 
+def pass_at_1_moved(policy: dict[str, Any]) -> bool:
+  """Whether the held-out mean pass@1 change's 95% interval lies beyond +-MOVED_PASS_AT_1."""
+  ci = policy.get("pass_at_1_change_ci95")
+  if not ci or not _finite(*ci):
+    return False
+  return ci[0] > MOVED_PASS_AT_1 or ci[1] < -MOVED_PASS_AT_1
+
+
+def f4_v3(result: dict[str, Any]) -> Decision:
+  m = result["margin"]
+  t = result["trends"]["frozen_e2e_tv"]
+  c = result["control"]
+  held = result["held_out_change"]["frozen_e2e_tv"]
+  policy = result["policy"]
+  lo, hi = t["change_ci95"]
+  dlo, dhi = c["change_ci95"]
+  pass_ci = policy.get("pass_at_1_change_ci95") or [math.nan, math.nan]
+  text = (f"Frozen e2e-TV drafter, rejection, mean acceptance over depths: fitted change over "
+          f"{result['steps']} RL steps {t['change']:+.3f} {_ci(t['change_ci95'])} (95%, "
+          f"corrected for autocorrelation); held-out change {held:+.3f}. Against the frozen CE "
+          f"control, paired by step: {c['change']:+.3f} {_ci(c['change_ci95'])}. Over the run "
+          f"the policy's batch entropy changed by {policy['entropy_change']:+.3f} nats "
+          f"{_ci(policy['entropy_change_ci95'])} and its held-out mean pass@1 by "
+          f"{policy['pass_at_1_change']:+.3f} {_ci(pass_ci)}.")
+  if not _finite(lo, hi, dlo, dhi):
+    return "inconclusive", text + " Too few steps for an interval."
+  if hi < -m:
+    return "not reproduced", text + f" The e2e-TV drafter loses more than {m:.2f}."
+  if dhi < -m:
+    return "not reproduced", text + (f" The e2e-TV drafter loses more than the CE control, by "
+                                     f"more than {m:.2f}.")
+  if result["steps"] < MIN_RL_STEPS:
+    return "inconclusive", text + f" Fewer than {MIN_RL_STEPS} RL steps."
+  change = {"change": policy["entropy_change"], "change_ci95": policy["entropy_change_ci95"]}
+  if not (entropy_moved(change) or pass_at_1_moved(policy)):
+    return "inconclusive", text + (
+        f" Neither the entropy change's interval lies beyond +-{ENTROPY_DRIFT} nats nor the "
+        f"pass@1 change's beyond +-{MOVED_PASS_AT_1}: the drafter was not tested against a "
+        "policy that RL changed.")
+  if lo > -m and held > -m and dlo >= -m:
+    return "reproduced", text + (f" It loses less than {m:.2f} and no more than {m:.2f} beyond "
+                                 "the control (the intervals' lower ends), without online "
+                                 "updates, while the policy moved.")
+  return "inconclusive", text + (f" An interval reaches below a loss of {m:.2f} (own change or "
+                                 "against the control), or the held-out change does.")
+
+
 F4 = Rule("through_rl", "F4", (
     Version(1, (
         f"The frozen e2e-TV drafter's fitted change in mean teacher-forced acceptance over the "
@@ -411,6 +647,19 @@ F4 = Rule("through_rl", "F4", (
         "Written after version 1's verdicts on an earlier page had been seen (no control, "
         "steps taken as independent, a policy whose entropy moved 0.03 nats); applied to data "
         "measured afterwards.", f4_v2),
+    Version(3, (
+        f"As version 2 (the e2e-TV drafter's fitted change and the difference of differences "
+        f"against the frozen CE control, margin {MARGIN}), with the policy's movement judged "
+        f"by intervals, not point estimates, over a long run: needs at least {MIN_RL_STEPS} "
+        f"RL steps, and the policy counts as moved only when the 95% interval of the fitted "
+        f"change of its batch entropy (a line over the steps, corrected for autocorrelation) "
+        f"lies entirely beyond +-{ENTROPY_DRIFT} nats, or the 95% interval of its held-out "
+        f"mean pass@1 change (paired before/after on the same prompts) lies entirely beyond "
+        f"+-{MOVED_PASS_AT_1}. Not reproduced as in version 2; otherwise inconclusive when "
+        f"the run is shorter or the policy did not move; reproduced as in version 2."),
+        "Written and committed before any data of the runs it decides existed: a 'moved' "
+        "gate on point estimates let noise count as movement (at real scale the entropy "
+        "change was -0.158 [-0.455, +0.139]).", f4_v3),
 ))
 
 
@@ -514,8 +763,10 @@ def markdown(evaluation: dict[str, Any]) -> str:
   the verdict of every older version on the same data."""
   versions = evaluation["versions"]
   now = versions[-1]
+  commit = now.get("commit")
   lines = [f"*Rule {evaluation['label']}, version {now['version']}:* {now['text']} "
-           f"*History:* {now['history']}"]
+           f"*History:* {now['history']}" +
+           (f" *Committed in* `{commit[:10]}`." if commit else "")]
   if len(versions) > 1:
     lines.append("")
     lines.append("The same data under the older versions of this rule:")
