@@ -53,8 +53,8 @@ SMOLLM2_COMMAND = ("python -m bebop_jax.main --config=configs/smollm2.py "
 SMOLLM2_BENCH_COMMAND = (
     "python experiments/bench_decode.py --config=configs/smollm2.py --workdir=runs/smollm2 "
     "--policy=mtp --temperatures=1 --modes=rejection --draft_vocab=2048 --max_new_tokens=64 "
-    "--batch_sizes=1,8,64 --num_prompts=64 --repeats=3 --split_fixed_cost=false --adaptive "
-    "--out=docs/artifacts/smollm2_bench_decode.json")
+    "--batch_sizes=1,8,64 --num_prompts=128 --repeats=3 --split_fixed_cost=false --adaptive "
+    "--out=runs/smollm2/bench_decode_128.json")  # copied to docs/artifacts/ (SMOLLM2_BENCH)
 # The findings on the real policy: their own page, summarized in a section of docs/results.md.
 RESULTS_PAGE = os.path.join(REPO, "docs", "results.md")
 REAL_RESULTS_DIR = os.path.join(REPO, "docs", "results_real")
@@ -288,7 +288,8 @@ def real_policy_block(b: Block, s: Source, bench: Source | None) -> str:
                 "process: the SFT policy with its trained drafter (the MTP stage's checkpoint), "
                 "the arms' timed passes interleaved in alternating order, the ratio the "
                 "geometric mean of the passes' ratios with its Student-t 95% interval over "
-                f"passes, `{SMOLLM2_BENCH_COMMAND}`:")
+                f"passes, `{SMOLLM2_BENCH_COMMAND}` (its output is "
+                f"`{os.path.relpath(SMOLLM2_BENCH, REPO)}`):")
   lines += ["", "| batch | T | draft length | prompts | passes | tokens per arm (all passes) "
             "| wall clock spec. / AR [95%] | tokens per target forward | acceptance per depth "
             "| protocol |", "|---|---|---|---|---|---|---|---|---|---|"]
