@@ -3,6 +3,9 @@
   adaptive_arm   three sync RL arms (autoregressive, speculative at the drafter's K, adaptive
                  draft length) from the quickstart's policy, interleaved in blocks
                  (docs/artifacts/bench_rl_adaptive_quickstart.json, bench_rl.py's output)
+  smollm2_arms   the autoregressive and speculative sync arms on SmolLM2-135M-Instruct
+                 (configs/smollm2.py), with the rollout share and the Amdahl bound
+                 (docs/artifacts/bench_rl_smollm2.json)
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from experiments.doc_numbers import Block, Source
 DOCUMENT = "docs/rl.md"
 
 ADAPTIVE = "docs/artifacts/bench_rl_adaptive_quickstart.json"
+SMOLLM2 = "docs/artifacts/bench_rl_smollm2.json"
 ADAPTIVE_ARM = "adaptive_sync"
 
 
@@ -66,6 +70,48 @@ def adaptive_arm(b: Block) -> str:
   return "\n".join(lines + ["", verdict])
 
 
+def smollm2_arms(b: Block) -> str:
+  """The sync arms on SmolLM2 (medians over steady steps), then speculative against
+  autoregressive (the step and the rollout phase, paired by step) and what Amdahl's law
+  allows at the measured rollout share."""
+  bench = Source(SMOLLM2)
+  arms, pairs, ratios = bench["arms"], bench["pairs"], bench["ratios"]
+  schedule, placement = bench["schedule"], bench["placement"]
+  first = arms[next(iter(arms.value))]
+  lines = [f"{first['steps'].value} steps per arm in {schedule['blocks'].value} blocks of "
+           f"{schedule['block_steps'].value}, the first {schedule['warmup'].value} step of "
+           f"every block left out ({len(first['steady_steps'])} steady steps per arm); "
+           "medians over the steady steps:", "",
+           "| arm | s/step | rollout s | learner s | rollout share | tokens / target forward |",
+           "|---|---|---|---|---|---|"]
+  for name, arm in arms.items():
+    lines.append(f"| {name} | {b.num(arm['step_s'], fmt='.1f')} | "
+                 f"{b.num(arm['rollout_s'], fmt='.1f')} | {b.num(arm['learner_s'], fmt='.1f')} | "
+                 f"{b.num(arm['rollout_share'], fmt='.0%')} | "
+                 f"{b.num(arm['tokens_per_target_forward'], fmt='.2f')} |")
+  step = pairs["speculative_sync_vs_autoregressive_sync"]
+  decode = pairs["decode_speedup"]
+  share = arms["autoregressive_sync"]["rollout_share"]
+  amdahl = ratios["speculative_sync"]
+  span = lambda p: f"[{b.num(p['ci95'][0], fmt='.2f')}, {b.num(p['ci95'][1], fmt='.2f')}]"
+  lines += ["",
+            f"Speculative (K = 3) against autoregressive, paired by step (95% intervals over "
+            f"blocks): the whole step {b.num(step['measured'], fmt='.2f')}x {span(step)}, the "
+            f"rollout phase {b.num(decode['measured'], fmt='.2f')}x {span(decode)}. The "
+            f"autoregressive arm's rollouts are {b.num(share, fmt='.0%')} of its step, so by "
+            f"Amdahl's law the rollout speedup (ratio of medians "
+            f"{b.num(ratios['decode_speedup'], fmt='.2f')}x) allows at most "
+            f"{b.num(amdahl['amdahl'], fmt='.2f')}x on the step; the step's ratio of medians "
+            f"is {b.num(amdahl['measured'], fmt='.2f')}x. Placement: {placement['mode'].value}, "
+            f"{placement['devices'].value} {placement['platform'].value} device, "
+            f"{placement['cpu_cores'].value} cores."]
+  return "\n".join(lines)
+
+
 def render() -> dict[str, tuple[str, list]]:
+  out = {}
   b = Block()
-  return {"adaptive_arm": b.text(adaptive_arm(b))}
+  out["adaptive_arm"] = b.text(adaptive_arm(b))
+  b = Block()
+  out["smollm2_arms"] = b.text(smollm2_arms(b))
+  return out
