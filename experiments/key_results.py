@@ -296,7 +296,11 @@ def real_policy_block(b: Block, s: Source, bench: Source | None) -> str:
   for r in bench["results"]:
     if r["mode"].value != "rejection":
       continue
-    acc = ", ".join(b.num(a, fmt=".2f") for a in r["acceptance_online"])
+    # An adaptive row's depths beyond the largest K it ran were never attempted: no rate.
+    ran = [int(k) for k, n in (r.value.get("k_iterations") or {}).items() if n]
+    deepest = max(ran) if ran else len(r["acceptance_online"])
+    acc = ", ".join(b.num(a, fmt=".2f") if d < deepest else "- (K never reached it)"
+                    for d, a in enumerate(r["acceptance_online"]))
     k = r.value.get("k", "3 (the drafter's)")
     short = decode_timing.MIN_TOKENS - min(r["ar_tokens"].value, r["spec_tokens"].value)
     protocol = ("met" if decode_timing.meets_protocol(r.value) else
