@@ -18,21 +18,31 @@ SMOLLM2 = "docs/artifacts/bench_rl_smollm2.json"
 ADAPTIVE_ARM = "adaptive_sync"
 
 
-def adaptive_arm(b: Block) -> str:
-  bench = Source(ADAPTIVE)
-  arms, pairs, schedule = bench["arms"], bench["pairs"], bench["schedule"]
+def _arms_table(b: Block, bench: Source, *, seconds: str) -> list[str]:
+  """The schedule in words and one row per arm of bench_rl's medians over steady steps."""
+  arms, schedule = bench["arms"], bench["schedule"]
   first = arms[next(iter(arms.value))]
+  warmup = schedule["warmup"].value
   lines = [f"{first['steps'].value} steps per arm in {schedule['blocks'].value} blocks of "
-           f"{schedule['block_steps'].value}, the first {schedule['warmup'].value} steps of "
-           f"every block left out ({len(first['steady_steps'])} steady steps per arm); "
-           "medians over the steady steps:", "",
+           f"{schedule['block_steps'].value}, the first {warmup} "
+           f"{'step' if warmup == 1 else 'steps'} of every block left out "
+           f"({len(first['steady_steps'])} steady steps per arm); medians over the steady "
+           "steps:", "",
            "| arm | s/step | rollout s | learner s | rollout share | tokens / target forward |",
            "|---|---|---|---|---|---|"]
   for name, arm in arms.items():
-    lines.append(f"| {name} | {b.num(arm['step_s'], fmt='.2f')} | "
-                 f"{b.num(arm['rollout_s'], fmt='.2f')} | {b.num(arm['learner_s'], fmt='.2f')} | "
+    lines.append(f"| {name} | {b.num(arm['step_s'], fmt=seconds)} | "
+                 f"{b.num(arm['rollout_s'], fmt=seconds)} | "
+                 f"{b.num(arm['learner_s'], fmt=seconds)} | "
                  f"{b.num(arm['rollout_share'], fmt='.0%')} | "
                  f"{b.num(arm['tokens_per_target_forward'], fmt='.2f')} |")
+  return lines
+
+
+def adaptive_arm(b: Block) -> str:
+  bench = Source(ADAPTIVE)
+  arms, pairs, schedule = bench["arms"], bench["pairs"], bench["schedule"]
+  lines = _arms_table(b, bench, seconds=".2f")
   mine = [(name, pair) for name, pair in pairs.items()
           if pair["arms"].value[0] == ADAPTIVE_ARM and pair["of"].value == "step_s"]
   lines += ["", "| pair (A vs B), step seconds | paired speedup of A [95% interval] | ratio of "
@@ -76,19 +86,8 @@ def smollm2_arms(b: Block) -> str:
   allows at the measured rollout share."""
   bench = Source(SMOLLM2)
   arms, pairs, ratios = bench["arms"], bench["pairs"], bench["ratios"]
-  schedule, placement = bench["schedule"], bench["placement"]
-  first = arms[next(iter(arms.value))]
-  lines = [f"{first['steps'].value} steps per arm in {schedule['blocks'].value} blocks of "
-           f"{schedule['block_steps'].value}, the first {schedule['warmup'].value} step of "
-           f"every block left out ({len(first['steady_steps'])} steady steps per arm); "
-           "medians over the steady steps:", "",
-           "| arm | s/step | rollout s | learner s | rollout share | tokens / target forward |",
-           "|---|---|---|---|---|---|"]
-  for name, arm in arms.items():
-    lines.append(f"| {name} | {b.num(arm['step_s'], fmt='.1f')} | "
-                 f"{b.num(arm['rollout_s'], fmt='.1f')} | {b.num(arm['learner_s'], fmt='.1f')} | "
-                 f"{b.num(arm['rollout_share'], fmt='.0%')} | "
-                 f"{b.num(arm['tokens_per_target_forward'], fmt='.2f')} |")
+  placement = bench["placement"]
+  lines = _arms_table(b, bench, seconds=".1f")
   step = pairs["speculative_sync_vs_autoregressive_sync"]
   decode = pairs["decode_speedup"]
   share = arms["autoregressive_sync"]["rollout_share"]

@@ -541,12 +541,39 @@ def f4_v1(result: dict[str, Any]) -> Decision:
   return "inconclusive", text + f" The interval straddles a loss of {m:.2f}."
 
 
+def _f4_fields(result: dict[str, Any]):
+  """(margin, the e2e-TV trend, the difference of differences, held-out change, policy)."""
+  return (result["margin"], result["trends"]["frozen_e2e_tv"], result["control"],
+          result["held_out_change"]["frozen_e2e_tv"], result["policy"])
+
+
+def _f4_lost(t: dict[str, Any], c: dict[str, Any], m: float) -> Decision | None:
+  """F4 v2/v3's first checks, (verdict, the reason's ending): no interval, or the e2e-TV
+  drafter losing more than the margin on its own or against the control; None otherwise."""
+  (lo, hi), (dlo, dhi) = t["change_ci95"], c["change_ci95"]
+  if not _finite(lo, hi, dlo, dhi):
+    return "inconclusive", " Too few steps for an interval."
+  if hi < -m:
+    return "not reproduced", f" The e2e-TV drafter loses more than {m:.2f}."
+  if dhi < -m:
+    return "not reproduced", (f" The e2e-TV drafter loses more than the CE control, by "
+                              f"more than {m:.2f}.")
+  return None
+
+
+def _f4_kept(t: dict[str, Any], c: dict[str, Any], held: float, m: float) -> Decision:
+  """F4 v2/v3's last check, once the policy moved: reproduced when every lower end (own
+  change, held-out change, against the control) stays above the margin."""
+  if t["change_ci95"][0] > -m and held > -m and c["change_ci95"][0] >= -m:
+    return "reproduced", (f" It loses less than {m:.2f} and no more than {m:.2f} beyond the "
+                          "control (the intervals' lower ends), without online updates, while "
+                          "the policy moved.")
+  return "inconclusive", (f" An interval reaches below a loss of {m:.2f} (own change or "
+                          "against the control), or the held-out change does.")
+
+
 def f4_v2(result: dict[str, Any]) -> Decision:
-  m = result["margin"]
-  t = result["trends"]["frozen_e2e_tv"]
-  c = result["control"]
-  held = result["held_out_change"]["frozen_e2e_tv"]
-  policy = result["policy"]
+  m, t, c, held, policy = _f4_fields(result)
   lo, hi = t["change_ci95"]
   dlo, dhi = c["change_ci95"]
   text = (f"Frozen e2e-TV drafter, rejection, mean acceptance over depths: fitted change over "
@@ -555,13 +582,9 @@ def f4_v2(result: dict[str, Any]) -> Decision:
           f"control, the frozen CE drafter on the same prompts and seeds, paired by step "
           f"(difference of differences): {c['change']:+.3f} ({dlo:+.3f} to {dhi:+.3f}). Over "
           f"the run {_policy_text(policy)}.")
-  if not _finite(lo, hi, dlo, dhi):
-    return "inconclusive", text + " Too few steps for an interval."
-  if hi < -m:
-    return "not reproduced", text + f" The e2e-TV drafter loses more than {m:.2f}."
-  if dhi < -m:
-    return "not reproduced", text + (f" The e2e-TV drafter loses more than the CE control, by "
-                                     f"more than {m:.2f}.")
+  lost = _f4_lost(t, c, m)
+  if lost:
+    return lost[0], text + lost[1]
   moved = (abs(policy["entropy_change"]) >= MOVED_ENTROPY
            or abs(policy["pass_at_1_change"]) >= MOVED_PASS_AT_1)
   if not moved:
@@ -569,12 +592,8 @@ def f4_v2(result: dict[str, Any]) -> Decision:
         f" The policy barely moved (less than {MOVED_ENTROPY} nats of entropy and "
         f"{MOVED_PASS_AT_1} of pass@1): the drafter was not tested against a policy that RL "
         "changed, so keeping its acceptance here says nothing about surviving RL.")
-  if lo > -m and held > -m and dlo >= -m:
-    return "reproduced", text + (f" It loses less than {m:.2f} and no more than {m:.2f} beyond "
-                                 "the control (the intervals' lower ends), without online "
-                                 "updates, while the policy moved.")
-  return "inconclusive", text + (f" An interval reaches below a loss of {m:.2f} (own change or "
-                                 "against the control), or the held-out change does.")
+  verdict, why = _f4_kept(t, c, held, m)
+  return verdict, text + why
 
 
 def pass_at_1_moved(policy: dict[str, Any]) -> bool:
@@ -586,13 +605,7 @@ def pass_at_1_moved(policy: dict[str, Any]) -> bool:
 
 
 def f4_v3(result: dict[str, Any]) -> Decision:
-  m = result["margin"]
-  t = result["trends"]["frozen_e2e_tv"]
-  c = result["control"]
-  held = result["held_out_change"]["frozen_e2e_tv"]
-  policy = result["policy"]
-  lo, hi = t["change_ci95"]
-  dlo, dhi = c["change_ci95"]
+  m, t, c, held, policy = _f4_fields(result)
   pass_ci = policy.get("pass_at_1_change_ci95") or [math.nan, math.nan]
   text = (f"Frozen e2e-TV drafter, rejection, mean acceptance over depths: fitted change over "
           f"{result['steps']} RL steps {t['change']:+.3f} {_ci(t['change_ci95'])} (95%, "
@@ -601,13 +614,9 @@ def f4_v3(result: dict[str, Any]) -> Decision:
           f"the policy's batch entropy changed by {policy['entropy_change']:+.3f} nats "
           f"{_ci(policy['entropy_change_ci95'])} and its held-out mean pass@1 by "
           f"{policy['pass_at_1_change']:+.3f} {_ci(pass_ci)}.")
-  if not _finite(lo, hi, dlo, dhi):
-    return "inconclusive", text + " Too few steps for an interval."
-  if hi < -m:
-    return "not reproduced", text + f" The e2e-TV drafter loses more than {m:.2f}."
-  if dhi < -m:
-    return "not reproduced", text + (f" The e2e-TV drafter loses more than the CE control, by "
-                                     f"more than {m:.2f}.")
+  lost = _f4_lost(t, c, m)
+  if lost:
+    return lost[0], text + lost[1]
   if result["steps"] < MIN_RL_STEPS:
     return "inconclusive", text + f" Fewer than {MIN_RL_STEPS} RL steps."
   change = {"change": policy["entropy_change"], "change_ci95": policy["entropy_change_ci95"]}
@@ -616,12 +625,8 @@ def f4_v3(result: dict[str, Any]) -> Decision:
         f" Neither the entropy change's interval lies beyond +-{ENTROPY_DRIFT} nats nor the "
         f"pass@1 change's beyond +-{MOVED_PASS_AT_1}: the drafter was not tested against a "
         "policy that RL changed.")
-  if lo > -m and held > -m and dlo >= -m:
-    return "reproduced", text + (f" It loses less than {m:.2f} and no more than {m:.2f} beyond "
-                                 "the control (the intervals' lower ends), without online "
-                                 "updates, while the policy moved.")
-  return "inconclusive", text + (f" An interval reaches below a loss of {m:.2f} (own change or "
-                                 "against the control), or the held-out change does.")
+  verdict, why = _f4_kept(t, c, held, m)
+  return verdict, text + why
 
 
 F4 = Rule("through_rl", "F4", (
