@@ -28,6 +28,7 @@ engine take any decoder, so neither branches on the kind of decoding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -51,7 +52,10 @@ class Decoder(Protocol):
   def draft_counts(self, out, i: int) -> tuple[np.ndarray, np.ndarray, int]: ...
 
 
-def _vocab(draft_vocab: Sequence[int] | None) -> jax.Array | None:
+@functools.lru_cache(maxsize=8)
+def _vocab(draft_vocab: tuple[int, ...] | None) -> jax.Array | None:
+  """The draft vocabulary's ids on the device, put there once per vocabulary rather than at
+  every turn of every chunk."""
   return None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
 
 
