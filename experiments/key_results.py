@@ -108,17 +108,41 @@ def _ci(b: Block, ci: Source, fmt: str = "+.3f") -> str:
 # ----------------------------------------------------------------------------- the blocks
 
 
-def claims_block(b: Block, findings: dict[str, Source]) -> str:
-  """The paper's findings, each with the verdicts here."""
-  lines = []
-  for i, (claim, names) in enumerate(CLAIMS, start=1):
-    verdicts = "; ".join(f"{_label(findings[n])} **{findings[n]['verdict'].value}**"
-                         for n in names)
+SMOLLM2_RL = os.path.join(REPO, "docs", "artifacts", "bench_rl_smollm2.json")
+
+
+def claims_block(b: Block, findings: dict[str, Source],
+                 real: dict[str, Source] | None = None, rl_bench: Source | None = None) -> str:
+  """The paper's findings, each with the verdict, the number and its interval here: on the
+  real policy first (its results page, and the RL benchmark's SmolLM2 sync arms for the
+  speed claim, which has no finding there), then on the laptop testbed."""
+  real = real or {}
+  lines = ["| the paper | finding | real policy (SmolLM2-135M-Instruct) | laptop testbed |",
+           "|---|---|---|---|"]
+  for claim, names in CLAIMS:
     claim = claim.replace("1.8x", b.quote("1.8x", "the paper's abstract"))
-    lines.append(f"{i}. *The paper:* {claim} *Here:* {verdicts}.")
-  reproduced = sum(f["verdict"].value == "reproduced" for f in findings.values())
-  lines += ["", f"{reproduced} of {len(findings)} findings reproduced at laptop scale "
-            f"([docs/results.md](docs/results.md))."]
+    for i, name in enumerate(names):
+      lab = findings[name]
+      cell = lambda f: (f"**{f['verdict'].value}** ({f['rule']['label'].value} "
+                        f"v{f['rule']['current'].value}): {SUMMARIES[name](b, f)}")
+      if name in real:
+        here = cell(real[name])
+      elif name == "speedup" and rl_bench is not None:
+        p = rl_bench["pairs"]["speculative_sync_vs_autoregressive_sync"]
+        here = (f"no finding; the RL benchmark's sync arms: spec./AR "
+                f"{b.num(p['measured'], fmt='.2f')}x {_ci(b, p['ci95'], '.2f')} per step "
+                f"(95% t over {p['blocks'].value} blocks, docs/rl.md)")
+      else:
+        here = "not run"
+      lines.append(f"| {claim if i == 0 else ''} | {_label(lab)} | {here} | {cell(lab)} |")
+  n_real = sum(f["verdict"].value == "reproduced" for f in real.values())
+  n_lap = sum(f["verdict"].value == "reproduced" for f in findings.values())
+  lines += ["", f"{n_real} of {len(real)} findings reproduced on the real policy "
+            f"([docs/results_real.md](docs/results_real.md)), {n_lap} of {len(findings)} on "
+            f"the laptop testbed ([docs/results.md](docs/results.md)). Each verdict is that of "
+            "the rule version named (`experiments/findings/rules.py`); each page gives every "
+            "version's verdict on the same data and says whether it was written before or "
+            "after them."]
   return "\n".join(lines)
 
 
@@ -323,7 +347,11 @@ def render_readme(results_dir: str = RESULTS_DIR, main_job: str = MAIN_JOB) -> d
   """README.md's blocks: {name: (text, citations)}."""
   findings = load_findings(results_dir)
   bench = load_main_job(SMOLLM2_BENCH) if os.path.exists(SMOLLM2_BENCH) else None
-  return {"claims": _block(claims_block, findings),
+  real = (load_findings(REAL_RESULTS_DIR, REAL_FINDINGS)
+          if all(os.path.exists(os.path.join(REAL_RESULTS_DIR, f"{n}.json"))
+                 for n in REAL_FINDINGS) else {})
+  rl_bench = load_main_job(SMOLLM2_RL) if os.path.exists(SMOLLM2_RL) else None
+  return {"claims": _block(claims_block, findings, real, rl_bench),
           "findings": _block(findings_block, findings),
           "main_job": _block(main_job_block, load_main_job(main_job)),
           "real_policy": _block(real_policy_block, load_main_job(SMOLLM2_JOB), bench)}

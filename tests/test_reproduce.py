@@ -156,8 +156,54 @@ def test_a_rerun_reuses_every_stage(smoke):
   assert ctx.drafter("e2e_tv", 1) == str(workdir / "objectives" / "e2e_tv" / "seed1")
   ctx.drafter_arm("frozen_ce")  # complete: nothing runs
   assert json.loads((workdir / "stage_seconds.json").read_text()) == before
-  assert set(before) >= {"base", "speedup", "objectives_scratch/ce/seed0",
+  assert set(before) >= {"base", "warm", "speedup", "objectives_scratch/ce/seed0",
                          *(f"through_rl/{a}" for a in common.SCALES["smoke"].drafter_arms)}
+
+
+def test_warm_objectives_start_from_the_shared_warm_drafter(smoke):
+  """F3's warm runs start from warm/'s drafter (mtp.drafter_from): its MTP modules over the
+  SFT policy's trunk; scratch runs from a fresh one; a missing warm stage is an error."""
+  from bebop_jax.stages import lineage  # pylint: disable=g-import-not-at-top
+  from bebop_jax.stages import mtp as mtp_stage  # pylint: disable=g-import-not-at-top
+  workdir, _, _ = smoke
+  ctx = common.Context(str(workdir), "smoke")
+  warm = str(workdir / "warm")
+  for loss in ctx.scale.objectives:
+    for start, top, source in (("warm", "objectives", warm), ("scratch", "objectives_scratch", "")):
+      summary = lineage.read_summary(str(workdir / top / loss / "seed0"), "mtp")
+      assert summary["drafter_from"] == source and summary["schedule"] == [[loss, 1]], (loss, start)
+  config = ctx.drafter_config("ce", 0)
+  _, sft = lineage.restore_policy(config, str(workdir / "base"), stage="sft")
+  _, trained = lineage.restore_policy(config, warm, stage="mtp")
+  merged = mtp_stage._drafter_from(config, warm, sft)  # pylint: disable=protected-access
+  flat = lambda s: {tuple(p): np.asarray(v[...]) for p, v in s.flat_state()}
+  merged, sft, trained = flat(merged), flat(sft), flat(trained)
+  assert merged.keys() == sft.keys()
+  moved = 0
+  for path, value in merged.items():
+    want = trained[path] if "mtp" in path else sft[path]
+    np.testing.assert_array_equal(value, want, err_msg=str(path))
+    moved += "mtp" in path and not np.array_equal(trained[path], sft[path])
+  assert moved  # the warm stage trained the MTP modules away from the SFT policy's
+  with pytest.raises(FileNotFoundError, match="mtp.drafter_from=.*holds no completed MTP"):
+    mtp_stage._drafter_from(config, str(workdir / "nowhere"), sft)  # pylint: disable=protected-access
+
+
+def test_an_interrupted_stage_counts_its_attempts_to_their_last_logged_step(tmp_path):
+  """A stage resumed after an interruption: its seconds are the completing attempt's plus
+  each earlier attempt's, from its start to its last metrics.jsonl entry before the next."""
+  ctx = common.Context(str(tmp_path), "smoke")
+  stage = tmp_path / "base"
+  stage.mkdir()
+  times = [100.0, 130.0, 160.0, 400.0, 450.0]  # attempt 1 logs to 160, attempt 2 from 400
+  stage.joinpath("metrics.jsonl").write_text(
+      "".join(json.dumps({"stage": "sft", "step": i, "time": t}) + "\n"
+              for i, t in enumerate(times)))
+  (tmp_path / "stage_attempts.json").write_text(json.dumps({"base": [90.0, 390.0]}))
+  ctx.record("base", 75.0)
+  assert ctx.seconds() == {"base": 75.0 + (160.0 - 90.0)}
+  assert ctx.resumed() == {"base": 2}
+  assert common.interrupted_seconds(str(stage), [90.0]) == 0.0  # one attempt: none cut short
 
 
 def test_bad_scale_and_arm_are_refused(tmp_path):
@@ -188,6 +234,13 @@ def test_drafter_arms_take_the_scale_settings(tmp_path):
   assert s.seeds >= 3 and s.objective_starts == ("warm", "scratch")
   assert ctx.drafter_config("ce", 1, "scratch").mtp.init == "fresh"
   assert ctx.drafter_config("ce", 1).mtp.init == "sft"
+  # Every step of an objective's budget trains with that objective (no warm-start phase).
+  real = common.Context(str(tmp_path), "real")
+  c = real.drafter_config("tv", 2)
+  assert c.mtp.warm_start.steps == 0 and c.mtp.loss == "tv"
+  assert c.mtp.drafter_from == str(tmp_path / "warm")
+  w = real.warm_config()
+  assert (w.mtp.loss, w.mtp.train.num_steps) == ("kl", common.SCALES["real"].warm_steps)
 
 
 def test_fit_line_against_numpy():

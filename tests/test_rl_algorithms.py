@@ -181,6 +181,31 @@ def test_policy_loss_and_gradient_equal_numpy(aggregation, case, mask_dtype):
     np.testing.assert_allclose(float(metrics["is_weight_max"]), w[m].max(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("aggregation", rl.AGGREGATIONS)
+def test_the_entropy_bonus_equals_numpy(aggregation):
+  """l - entropy_coef H over every masked token, with the aggregation's weights: the loss and
+  its gradient in H (-coef x weight at masked tokens, 0 elsewhere), the policy-gradient part
+  unchanged; a negative coefficient, or one without entropies, is refused."""
+  lp, behaviour, _, _, adv, mask = _inputs(seed=3)
+  entropy = np.random.default_rng(3).uniform(0.0, 2.0, lp.shape)
+  clip = dict(clip_low=0.2, clip_high=0.28)
+  want_pg, _ = np_policy_loss(lp, behaviour, adv, mask, aggregation=aggregation, **clip)
+  weights = np.asarray(rl.aggregation_weights(mask, aggregation, NORM), float)
+  coef = 0.05
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  loss = lambda h: rl.policy_loss(f32(lp), f32(behaviour), f32(adv), mask,
+                                  aggregation=aggregation, norm=NORM, entropy=h,
+                                  entropy_coef=coef, **clip)
+  (got, metrics), grad = jax.value_and_grad(loss, has_aux=True)(f32(entropy))
+  np.testing.assert_allclose(float(got), want_pg - coef * (entropy * weights * mask).sum(),
+                             rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(grad), -coef * weights * mask, rtol=1e-5, atol=1e-9)
+  np.testing.assert_allclose(float(metrics["entropy"]), entropy[mask].mean(), rtol=1e-5)
+  for bad in (dict(entropy=f32(entropy), entropy_coef=-0.1), dict(entropy_coef=0.1)):
+    with pytest.raises(ValueError, match="entropy_coef=.* is not allowed"):
+      rl.policy_loss(f32(lp), f32(behaviour), f32(adv), mask, **bad)
+
+
 def test_token_weights_replace_the_aggregation():
   """Weights computed over a whole batch make microbatch losses add up to its loss."""
   lp, behaviour, _, _, adv, mask = _inputs(seed=1)

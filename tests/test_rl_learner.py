@@ -166,9 +166,10 @@ def test_row_buckets_split_over_accumulation_and_devices():
 
 def test_fused_head_gives_the_dense_heads_policy_loss_metrics_and_gradients(tiny_policy):
   """The real policy loss (rl.head) on a packed update batch with the decoupled objective
-  and the k3 KL to a reference, at temperature 0.7: the fused head (no [B, T, V] logits)
-  against the dense one, in the loss, every metric (the entropy included) and every trunk
-  parameter's gradient; and the log-probs of the reference / proximal forward."""
+  and the k3 KL to a reference and an entropy bonus, at temperature 0.7: the fused head (no
+  [B, T, V] logits) against the dense one, in the loss, every metric (the entropy included)
+  and every trunk parameter's gradient; and the log-probs of the reference / proximal
+  forward."""
   graphdef, params = tiny_policy
   rollouts = _rollouts(8)
   lengths = rollouts.prompt_lengths + rollouts.lengths
@@ -189,7 +190,7 @@ def test_fused_head_gives_the_dense_heads_policy_loss_metrics_and_gradients(tiny
   def loss_grad_and_logprobs(head, trunk):
     loss_fn = learner.make_policy_loss_fn(sampling_params, clip_low=0.2, clip_high=0.28,
                                           aggregation="token-mean", kl_coef=0.1, is_cap=2.0,
-                                          head=head)
+                                          head=head, entropy_coef=0.05)
     merge = lambda t: learner.nnx.merge(graphdef, t, rest)
     lp = learner.token_logprobs(merge(trunk), batch["tokens"], batch["segment_ids"],
                                 sampling_params, batch["positions"], head=head)

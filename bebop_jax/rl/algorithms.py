@@ -17,12 +17,16 @@ the reward).
 
 Policy loss per token, with rho = exp(logprobs - anchor):
   l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) [* w] [+ kl_coef k3]
+      [- entropy_coef H]
   anchor = proximal_logprobs when given (decoupled PPO), else behaviour_logprobs;
   w = stop_gradient(exp(proximal - behaviour)), only with proximal_logprobs (AReaL's
   off-policy correction for stale rollouts); with is_cap set, is_mode "cap" uses
   min(w, is_cap) and "mask" drops the tokens with w > is_cap from the loss (w = 0 there;
   the aggregation's denominators are unchanged);
-  k3 = exp(ref - lp) - (ref - lp) - 1, the KL estimator to a frozen reference, when given.
+  k3 = exp(ref - lp) - (ref - lp) - 1, the KL estimator to a frozen reference, when given;
+  H = the entropy of the distribution the token was sampled from under the parameters being
+  trained (an entropy bonus, over every masked token, when entropy_coef > 0: it raises the
+  policy's entropy, the regime in which the paper's acceptance falls).
 Tokens outside a policy's support. With top-k or top-p, a token outside the kept set has
 log-prob -inf under that policy: a stale token the current (or proximal) policy no longer
 keeps, or a token at the nucleus edge that the learner's forward rounds the other way. Such
@@ -142,8 +146,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
                 is_cap: float | None = None, is_mode: str = "cap",
                 ref_logprobs: jax.Array | None = None,
                 kl_coef: float = 0.0, token_weights: jax.Array | None = None,
-                norm: float | None = None, entropy: jax.Array | None = None
-                ) -> tuple[jax.Array, dict[str, Any]]:
+                norm: float | None = None, entropy: jax.Array | None = None,
+                entropy_coef: float = 0.0) -> tuple[jax.Array, dict[str, Any]]:
   """(loss, metrics) of the clipped policy-gradient objective; see the module docstring.
 
   Args:
@@ -157,7 +161,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
       the full-batch loss).
     norm: seq-mean-token-sum-norm's constant (aggregation_weights).
     entropy: optional [B, T] entropy of the distribution each token was sampled from under
-      the parameters being trained (a metric only).
+      the parameters being trained (a metric, and the bonus's term with entropy_coef).
+    entropy_coef: >= 0, the entropy bonus's weight (needs `entropy`).
   Returns:
     loss (scalar) and metrics: clip_frac_low / clip_frac_high (fraction of tokens whose
     clipped branch is active: rho < 1 - clip_low with A < 0, rho > 1 + clip_high with
@@ -177,6 +182,9 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
     raise ValueError(f"is_cap={is_cap} is not allowed: must be > 0 (None = no cap)")
   if is_mode not in IS_MODES:
     raise ValueError(f"is_mode={is_mode!r} is not allowed: one of {IS_MODES}")
+  if entropy_coef < 0 or (entropy_coef and entropy is None):
+    raise ValueError(f"entropy_coef={entropy_coef} is not allowed: must be >= 0, and > 0 "
+                     "only with `entropy`")
   sg = jax.lax.stop_gradient
   masked = jnp.asarray(mask) > 0
   m = masked.astype(jnp.float32)
@@ -217,6 +225,8 @@ def policy_loss(logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: 
     kl = jnp.sum(sg(k3) * in_both) / jnp.maximum(jnp.sum(in_both), 1.0)
     if kl_coef:
       token_loss = token_loss + kl_coef * k3 * in_both
+  if entropy_coef:
+    token_loss = token_loss - entropy_coef * jnp.where(masked, entropy, 0.0)
   weights = (aggregation_weights(m, aggregation, norm) if token_weights is None
              else token_weights)
   loss = jnp.sum(token_loss * weights * m)

@@ -93,7 +93,7 @@ def compile_learner(settings: settings_lib.Settings, graphdef: nnx.GraphDef, abs
       sampling.SamplingParams(rl.rollout.temperature, rl.rollout.top_k, rl.rollout.top_p),
       clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation=rl.aggregation,
       kl_coef=rl.kl_coef, is_cap=float(asynchronous.is_cap), is_mode=asynchronous.is_mode,
-      head=rl.head)
+      head=rl.head, entropy_coef=rl.entropy_coef)
   step_fn = trainer.make_train_step(graphdef, loss_fn, tx, schedule, rl.train.grad_accum_steps)
   batch = learner_lib.example_batch(
       rl, rows, length,

@@ -226,7 +226,7 @@ def make_logprobs_fn(graphdef: nnx.GraphDef, params: sampling.SamplingParams, *,
 
 def make_policy_loss_fn(params: sampling.SamplingParams, *, clip_low: float, clip_high: float,
                         aggregation: str, kl_coef: float = 0.0, is_cap: float | None = None,
-                        is_mode: str = "cap", head: str = "fused"):
+                        is_mode: str = "cap", head: str = "fused", entropy_coef: float = 0.0):
   """The RL loss_fn(model, batch) -> (loss, metrics) for trainer.make_train_step; with
   `proximal_logprobs` in the batch, the decoupled objective (is_cap, is_mode). `head`
   (rl.head): how the log-probs reach the vocabulary (token_logprobs_and_entropy)."""
@@ -240,7 +240,7 @@ def make_policy_loss_fn(params: sampling.SamplingParams, *, clip_low: float, cli
         clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
         proximal_logprobs=batch.get("proximal_logprobs"), is_cap=is_cap, is_mode=is_mode,
         ref_logprobs=batch.get("ref_logprobs"), kl_coef=kl_coef,
-        token_weights=batch["token_weights"], entropy=entropy)
+        token_weights=batch["token_weights"], entropy=entropy, entropy_coef=entropy_coef)
     return loss, dict(metrics, loss=loss)
 
   return loss_fn
@@ -375,7 +375,8 @@ class Learner:
     self._policy_fn = trainer.make_train_step(self.graphdef, make_policy_loss_fn(
         self.sampling, clip_low=rl.clip_low, clip_high=rl.clip_high,
         aggregation=rl.aggregation, kl_coef=rl.kl_coef, is_cap=self.is_cap,
-        is_mode=asynchronous.is_mode, head=self.head), self.tx, schedule,
+        is_mode=asynchronous.is_mode, head=self.head, entropy_coef=rl.entropy_coef),
+        self.tx, schedule,
         rl.train.grad_accum_steps)
     self.logprobs_fn = (make_logprobs_fn(self.graphdef, self.sampling, head=self.head)
                         if self.decoupled else None)

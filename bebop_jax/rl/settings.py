@@ -158,6 +158,9 @@ class RLSettings(Section):
   kl_coef: float = setting(0.0, "> 0: k3 KL to the frozen initial policy",
                            allowed="must be a number >= 0 (0 = no KL term)",
                            check=number_at_least(0))
+  entropy_coef: float = setting(0.0, "> 0: an entropy bonus (the policy's entropy rises)",
+                                allowed="must be a number >= 0 (0 = no bonus)",
+                                check=number_at_least(0))
   head: str = choice(
       "fused", "the learner's log-probs, entropies and reference log-probs: fused (no "
       "[B, T, V] logits; pallas_kernels.fused_head) or dense. With rollout top_k / top_p "

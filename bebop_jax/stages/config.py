@@ -127,6 +127,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mtp.init = "sft"               # the drafter it starts from: bebop_jax.model.drafter_init.INITS
                                    # (sft: the checkpoint's, e.g. trained jointly with SFT;
                                    # fresh: random; copy_last_block: the trunk's last layer)
+  c.mtp.drafter_from = ""         # workdir of an MTP stage whose drafter this one starts from
   c.mtp.proj_init = "random"       # copy_last_block's projection: model.drafter_init.PROJ_INITS
   c.mtp.seed = 0                   # the drafter's initialisation (fresh) and data order;
                                    # the policy's rollouts stay the same
@@ -167,6 +168,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.clip_high = 0.2
   c.rl.aggregation = "token-mean"  # bebop_jax.rl.AGGREGATIONS
   c.rl.kl_coef = 0.0               # > 0: k3 KL to the frozen initial policy
+  c.rl.entropy_coef = 0.0          # > 0: an entropy bonus (the policy's entropy rises)
   # The learner's log-probs, entropies and reference log-probs: "fused" (no [B, T, V]
   # logits; pallas_kernels.fused_head) or "dense". With rollout top_k / top_p truncation
   # (or temperature 0) the learner uses dense logits whatever this says, with a warning.

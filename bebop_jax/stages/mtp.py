@@ -217,6 +217,18 @@ def _packed_data(config, store, train_data, heldout, graphdef, params, seq_len: 
   return max_targets, rows, heldout_rows, features, heldout_features
 
 
+def _drafter_from(config: ml_collections.ConfigDict, source: str,
+                  params: nnx.State) -> nnx.State:
+  """`params` with the MTP modules of the MTP stage in `source` (mtp.drafter_from)."""
+  if lineage.read_summary(source, "mtp") is None:
+    raise FileNotFoundError(f"config.mtp.drafter_from={source!r} holds no completed MTP "
+                            "stage: run it first")
+  _, warm = lineage.restore_policy(config, source, stage="mtp")
+  mtp_filter = nnx.All(nnx.Param, nnx.PathContains("mtp"))
+  print(f"[mtp] the drafter starts from the MTP stage in {source}")
+  return nnx.merge_state(params.filter(nnx.Not(mtp_filter)), warm.filter(mtp_filter))
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs (or resumes, or skips when complete) the MTP stage; returns its summary."""
   done = lineage.read_summary(workdir, "mtp")
@@ -301,6 +313,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     hidden_rms = float(np.sqrt(np.mean(np.square(features[:8][rows["segment_ids"][:8] > 0]))))
   params = drafter_init.init_drafter(sft_params, model_cfg, m.init, seed=config.seed + 1 + 7919 * m.seed,
                         proj_init=m.proj_init, hidden_rms=hidden_rms)
+  if m.drafter_from:
+    params = _drafter_from(config, m.drafter_from, params)
   model = nnx.merge(graphdef0, params)
   graphdef, trainable, frozen = split(model, config)
   track = drafter.heldout_acceptance(graphdef, heldout_rows, heldout_features,
@@ -394,7 +408,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   after = multihost.on_primary(final, "mtp_after")  # process 0 evaluates, tells the others
   timing["eval_s"] = time.perf_counter() - t0
   timing["total_s"] = time.perf_counter() - stage_start
-  summary.update(loss=m.loss, schedule=[list(p) for p in _phases(config)], init=m.init,
+  summary.update(loss=m.loss, schedule=[list(p) for p in _phases(config)], init=m.init, drafter_from=m.drafter_from,
                  before=before, after=after, timing=timing, draft_vocab=vocab_info,
                  num_rollouts=len(train_data["sequences"]), rows=len(rows["tokens"]),
                  seq_len=seq_len, targets_per_row=max_targets,

@@ -159,6 +159,11 @@ class MTPSettings(Section):
   init: str = choice("sft", "the drafter it starts from: bebop_jax.model.drafter_init.INITS "
                      "(sft: the checkpoint's, e.g. trained jointly with SFT; fresh: random; "
                      "copy_last_block: the trunk's last layer)", drafter_init.INITS)
+  drafter_from: str = setting(
+      "", "workdir of a completed MTP stage on the same SFT policy whose drafter this stage "
+      "starts from (a warm start shared by several runs, e.g. the objectives of one "
+      "comparison); '' = mtp.init", allowed="must be a path ('' = mtp.init)",
+      check=lambda v: isinstance(v, str))
   proj_init: str = choice("random", "copy_last_block's projection: "
                           "bebop_jax.model.drafter_init.PROJ_INITS", drafter_init.PROJ_INITS)
   seed: int = count(0, "the drafter's initialisation (fresh) and data order; the policy's "

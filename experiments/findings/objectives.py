@@ -1,8 +1,9 @@
 """F3: which objective should train the drafter? ce, kl, tv and e2e_tv per task, over seeds.
 
-Each (loss, seed) fine-tunes the same jointly trained drafter (common.Context.drafter) on the
-same cached rollouts of the SFT policy, for the same number of steps; the seed changes the
-data order. Measured after training, by speculative decoding of the held-out prompts at the
+Each (loss, seed) fine-tunes the same drafter (common.Context.drafter: the shared warm start
+warm/ at scales with one, else the jointly trained drafter) on the same cached rollouts of
+the SFT policy, every step with that loss, for the same number of steps; the seed changes
+the data order. Measured after training, by speculative decoding of the held-out prompts at the
 MTP temperature (the MTP stage's online evaluation), per task and verification mode:
 acceptance per depth and tokens per target forward, mean and standard error over seeds.
 Seed k gives every loss the same data order and starting drafter, so losses are compared
@@ -12,6 +13,8 @@ by per-seed differences (paired) with Student-t intervals at seeds - 1 degrees o
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import numpy as np
@@ -40,18 +43,19 @@ def collect(ctx: common.Context, start: str = "warm") -> list[dict]:
   (common.Context.drafter): acceptance per depth, tokens per target forward, pass@1 (tasks
   only)."""
   rows = []
-  for loss in ctx.scale.objectives:
-    for seed in range(ctx.scale.seeds):
-      s = lineage.read_summary(ctx.drafter(loss, seed, start), "mtp")
-      for mode, ev in s["after"]["online"].items():
-        rows.append({"loss": loss, "seed": seed, "mode": mode, "task": "all",
-                     "acceptance": ev["acceptance"],
-                     "tokens_per_target_forward": ev["tokens_per_target_forward"]})
-        for task, t in ev["per_task"].items():
-          rows.append({"loss": loss, "seed": seed, "mode": mode, "task": task,
-                       "acceptance": t["acceptance"],
-                       "tokens_per_target_forward": t["tokens_per_target_forward"],
-                       "pass_at_1": t["accuracy"]})
+  # Seed-major, so that an interrupted run has every objective at the same seeds.
+  runs = [(loss, seed) for seed in range(ctx.scale.seeds) for loss in ctx.scale.objectives]
+  for loss, seed in runs:
+    s = lineage.read_summary(ctx.drafter(loss, seed, start), "mtp")
+    for mode, ev in s["after"]["online"].items():
+      rows.append({"loss": loss, "seed": seed, "mode": mode, "task": "all",
+                   "acceptance": ev["acceptance"],
+                   "tokens_per_target_forward": ev["tokens_per_target_forward"]})
+      for task, t in ev["per_task"].items():
+        rows.append({"loss": loss, "seed": seed, "mode": mode, "task": task,
+                     "acceptance": t["acceptance"],
+                     "tokens_per_target_forward": t["tokens_per_target_forward"],
+                     "pass_at_1": t["accuracy"]})
   return rows
 
 
@@ -129,6 +133,74 @@ def comparison(rows: list[dict], agg: list[dict], mode: str = "rejection") -> di
       "e2e_vs": {loss: stats.t_interval(acc["e2e_tv"] - acc[loss]) for loss in losses
                  if loss != "e2e_tv"},
       "gains_over_ce": gains_over_ce(agg, mode)}
+
+
+def _heldout_evals(workdir: str) -> dict[int, float]:
+  """{step: mean over depths of the held-out expected acceptance} of the MTP stage in
+  `workdir` (its metrics.jsonl "eval/alpha_k" entries: teacher-forced, at every eval)."""
+  out = {}
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return out
+  with open(path) as f:
+    for line in f:
+      r = json.loads(line)
+      alphas = [v for k, v in r.items() if k.startswith("eval/alpha_") and
+                k[len("eval/alpha_"):].isdigit()]
+      if r.get("stage") == "mtp" and alphas:
+        out[int(r["step"])] = float(np.mean(alphas))
+  return out
+
+
+def learning_curves(ctx: common.Context, start: str = "warm") -> dict[str, dict]:
+  """Per objective, the held-out acceptance (mean over depths, teacher-forced) at each eval
+  step, mean and standard error over seeds; step 0 is the shared warm start's last eval
+  (at scales with one)."""
+  warm = (_heldout_evals(os.path.join(ctx.workdir, "warm"))
+          if start == "warm" and ctx.scale.warm_steps else {})
+  top = "objectives" if start == "warm" else f"objectives_{start}"
+  out = {}
+  for loss in ctx.scale.objectives:
+    runs = [_heldout_evals(os.path.join(ctx.workdir, top, loss, f"seed{k}"))
+            for k in range(ctx.scale.seeds)]
+    steps = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
+    if not steps:
+      continue
+    values = np.asarray([[r[t] for t in steps] for r in runs])
+    mean, se = common.mean_se(values)
+    if warm:
+      steps, mean, se = [0] + steps, np.r_[warm[max(warm)], mean], np.r_[0.0, se]
+    out[loss] = {"steps": list(steps), "mean": mean.tolist(), "se": se.tolist(),
+                 "seeds": len(runs)}
+  return out
+
+
+def plot_curves(curves: dict[str, dict], out_dir: str) -> str:
+  plt = common.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for loss in LOSSES:
+    if loss in curves:
+      c = curves[loss]
+      ax.errorbar(c["steps"], c["mean"], yerr=c["se"], marker="o", capsize=3, label=loss)
+  ax.set_xlabel("MTP step (0: the shared starting drafter)")
+  ax.set_ylabel("held-out acceptance, mean over depths")
+  ax.set_title("Learning curves (teacher-forced; mean ± SE over seeds)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return common.save_figure(fig, out_dir, f"{NAME}_curves.png")
+
+
+def curves_table(curves: dict[str, dict]) -> str:
+  steps = sorted({t for c in curves.values() for t in c["steps"]})
+  lines = ["| loss | " + " | ".join(f"step {t}" for t in steps) + " |",
+           "|---|" + "---|" * len(steps)]
+  for loss in LOSSES:
+    if loss in curves:
+      c = curves[loss]
+      at = dict(zip(c["steps"], zip(c["mean"], c["se"])))
+      lines.append(f"| {loss} | " + " | ".join(
+          f"{at[t][0]:.3f}±{at[t][1]:.3f}" if t in at else "" for t in steps) + " |")
+  return "\n".join(lines)
 
 
 def plot(agg: list[dict], out_dir: str, mode: str) -> str:
@@ -231,13 +303,18 @@ def run(ctx: common.Context) -> common.Finding:
   if "scratch" in ctx.scale.objective_starts:
     scratch_rows = collect(ctx, "scratch")
     scratch = comparison(scratch_rows, aggregate(scratch_rows))
-  figures = [plot(agg, ctx.out_dir, mode) for mode in common.MODES]
+  figures = [plot(agg, ctx.out_dir, mode) for mode in ctx.scale.objective_modes]
+  curves = learning_curves(ctx)
+  if curves:
+    figures.append(plot_curves(curves, ctx.out_dir))
   v, reason, rule = rules.decide(NAME, comp)
   flat = [{"loss": r["loss"], "seed": r["seed"], "mode": r["mode"], "task": r["task"],
            **{f"acceptance_{k}": a for k, a in enumerate(r["acceptance"], 1)},
            "tokens_per_target_forward": r["tokens_per_target_forward"],
            "pass_at_1": r.get("pass_at_1", "")} for r in rows]
-  body = (f"Each objective fine-tunes the same jointly trained drafter on the same cached "
+  start_from = (f"the drafter of a shared {ctx.scale.warm_steps}-step warm start "
+                f"(`warm/`)" if ctx.scale.warm_steps else "the same jointly trained drafter")
+  body = (f"Each objective fine-tunes {start_from} on the same cached "
           f"rollouts for the same steps; {ctx.scale.seeds} seeds (data order) each, seed k "
           f"the same for every objective; measured by speculative decoding of the held-out "
           f"prompts. The rule judges this regime, the paper's: a drafter that already works, "
@@ -246,9 +323,14 @@ def run(ctx: common.Context) -> common.Finding:
            "\n\n" + scratch_table(scratch) + "\n\nThe paper's claim is about the first "
            "regime; from scratch the TV objectives' gradient, q_u (1[q_u < p_u] - S), is weak "
            "far from the target (docs/mtp.md), so at equal budget the ranking can reverse. "
-           "This table shows whether it does here."))
+           "This table shows whether it does here.") +
+          ("" if not curves else
+           "\n\nLearning curves: the held-out acceptance (teacher-forced expected acceptance "
+           "of the held-out rollouts, mean over depths; mean ± standard error over seeds) at "
+           "each evaluation step:\n\n" + curves_table(curves)))
   f = common.Finding(NAME, TITLE, CLAIM, v, reason, body,
                      {"aggregate": agg, "runs": rows, "comparison": comp,
+                      "learning_curves": curves,
                       "scratch": scratch,
                       "gains_over_ce": comp["gains_over_ce"],
                       "paper_relative_gain": PAPER_GAIN}, flat, figures, rule=rule)

@@ -98,6 +98,11 @@ def write_page(ctx: common.Context, findings: Sequence[common.Finding], path: st
   ordered = [by_name[n] for n in PAGE_ORDER if n in by_name]
   ledger = ctx.seconds()
   stage_min = sum(ledger.values()) / 60
+  resumed = ctx.resumed()
+  runs = ("each run once" if not resumed else
+          "each run once except " + ", ".join(f"{k} ({n} attempts)" for k, n in resumed.items())
+          + ", resumed after an interruption and counted to the last step each attempt "
+          "logged")
   lines = [
       title(ordered, ctx.scale.name),
       "",
@@ -108,7 +113,7 @@ def write_page(ctx: common.Context, findings: Sequence[common.Finding], path: st
       f"    {command}",
       "",
       f"at the `{ctx.scale.name}` scale (base config `{os.path.relpath(ctx.config_file, common.REPO)}`"
-      f") on {hardware()}. Its stages took {stage_min:.1f} minutes in all, each run once "
+      f") on {hardware()}. Its stages took {stage_min:.1f} minutes in all, {runs} "
       f"(a rerun reuses finished stages; the last run of the command took "
       f"{wall_s / 60:.1f} minutes). Every plotted number is in `{assets}/<finding>.json` and "
       "`.csv`.",
