@@ -660,6 +660,14 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
   forced = [run(seed, schedule=lambda i: (i + 1) % 2) for seed in (3, 4, 5, 6)]
   out2, st2 = runs[0]
   assert st2.table is st.table  # cached for the run and shape
+  # ... and for the model: a new graphdef of it (a restarted stage) reuses the calibration.
+  graphdef2, state2 = nnx.split(nnx.merge(GRAPHDEF, STATE))
+  assert graphdef2 is not GRAPHDEF
+  _, st3 = segments.generate(
+      graphdef2, state2, tokens, lengths, jax.random.key(7), max_new_tokens=24,
+      cache_length=64, params=sampling.SamplingParams(1.0), mode="rejection",
+      stop_tokens=STOP, settings=settings)
+  assert st3.table is st.table and st3.calibration_s == 0
   assert set(st.table.overhead) == {1, 2} and st.table.overhead[1] > 0
   # Nothing compiles in steady state: segments, and the gathers and puts of compaction
   # (compiled with the calibration).
@@ -670,11 +678,11 @@ def test_adaptive_decoding_calibrates_once_and_compiles_one_program_per_k_and_ba
     assert all(0 <= k <= 1 for k in st_.k_iterations)
   # Every call the rule chose for is counted by its first K and its measured seconds
   # correct the model (call residuals); the prefill was timed with the table.
-  table = st.table
-  assert sum(table.calls.values()) == 2 and table.pending is not None
+  table = st.table  # the calls the rule chose for: runs 0-2 settled, the new graphdef's pending
+  assert sum(table.calls.values()) == 3 and table.pending is not None
   assert set(table.planned) == {None}  # the next call's first choice, made during this one
   table.settle()
-  assert sum(table.calls.values()) == 3 and table.prefill > 0 and table.pending is None
+  assert sum(table.calls.values()) == 4 and table.prefill > 0 and table.pending is None
   assert {k: len(m) for k, m in table.call_misses.items()} == table.calls
 
 

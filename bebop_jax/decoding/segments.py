@@ -141,8 +141,23 @@ def _warm_compaction(s: speculative.DecodeState, buckets: Sequence[int], part) -
 
 CALIBRATION_ROUNDS = 3  # timed passes over every (K, segment length) of a calibration
 
-# Calibrations, per run (process) and shape: {id(graphdef): (graphdef, {key: table})}.
-_TABLES: dict[int, tuple[object, dict[tuple, adaptive.CostTable]]] = {}
+# Calibrations, per run (process), model and shape: {(model config, placement): {key:
+# table}}, so that a stage that restarts (a new graphdef of the same model: an RL stage
+# resumed block by block) reuses the calibration of its first start; and
+# {id(graphdef): (graphdef, that model key)}, so that a call finds its model without merging.
+_TABLES: dict[tuple, dict[tuple, adaptive.CostTable]] = {}
+_MODELS: dict[int, tuple[object, tuple]] = {}
+
+
+def _model_tables(graphdef, state) -> dict[tuple, adaptive.CostTable]:
+  """The calibrations of the model `graphdef`, `state` describe (its config and placement)."""
+  owner, key = _MODELS.get(id(graphdef), (None, None))
+  if owner is not graphdef:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    leaf = jax.tree.leaves(state)[0]
+    key = (nnx.merge(graphdef, state).config, str(getattr(leaf, "sharding", None)))
+    _MODELS[id(graphdef)] = (graphdef, key)
+  return _TABLES.setdefault(key, {})
 
 
 def calibrate(graphdef, state, s0: speculative.DecodeState, *, rows: Sequence[int],
@@ -214,14 +229,10 @@ def _table(graphdef, state, make_state: Callable[[], speculative.DecodeState], *
            settings: adaptive.Settings, rows, params, mode, draft_vocab, cache_length: int,
            batch: int, max_new_tokens: int, depths: int) -> tuple[adaptive.CostTable, float]:
   """The cost table of `settings` for these shapes and the seconds it took: cached per
-  process (the key is cheap: the graphdef fixes the parameters' shapes, and only the draft
-  vocabulary's size matters to cost), else calibrated on `make_state()` (a prefilled state
+  process and model (_model_tables; only the draft vocabulary's size matters to cost), else
+  calibrated on `make_state()` (a prefilled state
   of these shapes) or modelled from weight reads."""
-  # Keyed by the graphdef's identity first: hashing a graphdef walks the whole module tree.
-  owner, tables = _TABLES.get(id(graphdef), (None, None))
-  if owner is not graphdef:
-    tables = {}
-    _TABLES[id(graphdef)] = (graphdef, tables)
+  tables = _model_tables(graphdef, state)
   key = (tuple(sorted(rows)), settings.k_max, settings.calibrate,
          settings.calibration_iterations, params, mode, cache_length, batch, max_new_tokens,
          depths, None if draft_vocab is None else draft_vocab.shape[0])
