@@ -239,6 +239,12 @@ def test_drafter_arms_take_the_scale_settings(tmp_path):
   c = real.drafter_config("tv", 2)
   assert c.mtp.warm_start.steps == 0 and c.mtp.loss == "tv"
   assert c.mtp.drafter_from == str(tmp_path / "warm")
+  real.drafter = lambda loss, seed, start="warm": str(tmp_path / "objectives" / loss /
+                                                      f"seed{seed}")
+  r = real.drafter_arm_config("frozen_ce")
+  s = common.SCALES["real"]
+  assert r.rl.prompts_per_batch == s.rl_prompts_per_batch and r.rl.train.num_steps >= 48
+  assert r.rl.entropy_coef == (s.rl_entropy_coef or 0.0)
   w = real.warm_config()
   assert (w.mtp.loss, w.mtp.train.num_steps) == ("kl", common.SCALES["real"].warm_steps)
 

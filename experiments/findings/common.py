@@ -74,6 +74,8 @@ class Scale:
   rl_learning_rate: float | None = None  # the drafter arms' policy learning rate
   rl_clip_high: float | None = None      # their upper clip (DAPO's clip-higher: 0.28)
   rl_epochs: int | None = None           # their passes of policy updates per batch
+  rl_entropy_coef: float | None = None   # their entropy bonus (rl.entropy_coef), which
+                                         # raises the policy's entropy during RL
   # F3's objectives (objectives.LOSSES: ce, kl, tv, e2e_tv and the LK loss lk).
   objectives: tuple[str, ...] = ("ce", "kl", "tv", "e2e_tv", "lk")
   objective_starts: tuple[str, ...] = ("warm",)  # F3's drafter starts: "warm" (the jointly
@@ -433,6 +435,8 @@ class Context:
       c.rl.clip_high = s.rl_clip_high
     if s.rl_epochs is not None:
       c.rl.epochs = s.rl_epochs
+    if s.rl_entropy_coef is not None:
+      c.rl.entropy_coef = s.rl_entropy_coef
     if s.rl_prompts_per_batch is not None:
       c.rl.prompts_per_batch = s.rl_prompts_per_batch
     return c
