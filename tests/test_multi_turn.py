@@ -185,6 +185,36 @@ def test_temperature_zero_episodes_equal_greedy_decoding_with_full_reprefill(eng
   assert len(stats) >= 3  # a start and continuations
 
 
+def test_every_decoders_single_turn_generate_is_its_first_turn():
+  """decoder.generate (one turn, no state kept: what benchmarks time) gives the first turn of
+  decoder.start, token for token, for every decoder; greedy, all three give the same
+  tokens."""
+  from bebop_jax.decoding import adaptive  # pylint: disable=g-import-not-at-top
+  greedy = sampling.SamplingParams(0.0)
+  rows = [TOK.encode(s, add_bos=True) for s in ("what is 3+4?", "x")]
+  tokens = np.zeros((2, 16), np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, :len(r)] = r
+  lengths = np.array([len(r) for r in rows], np.int32)
+  kw = dict(max_new_tokens=12, cache_length=40, stop_tokens=(TOK.eos_id,))
+  decoders = {"autoregressive": decoder_lib.Autoregressive(greedy),
+              "speculative": decoder_lib.Speculative(greedy, "exact", K),
+              "adaptive": decoder_lib.Adaptive(greedy, "exact", adaptive.Settings(
+                  k_max=K, segment=1, calibrate=False))}
+  outs = {}
+  for name, dec in decoders.items():
+    out = dec.generate(GRAPHDEF, STATE, tokens, lengths, jax.random.key(0), **kw)
+    first = dec.start(GRAPHDEF, STATE, tokens, lengths, jax.random.key(0), **kw).out
+    got, want = np.asarray(out.tokens), np.asarray(first.tokens)
+    for i in range(2):
+      n = int(out.lengths[i])
+      assert n == int(first.lengths[i]) and n > 0, name
+      np.testing.assert_array_equal(got[i, :n], want[i, :n], err_msg=name)
+    outs[name] = [got[i, :int(out.lengths[i])].tolist() for i in range(2)]
+  assert outs["speculative"] == outs["autoregressive"] == outs["adaptive"]
+  assert len(decoders["adaptive"].stats) == 2  # generate's call and start's
+
+
 def test_episodes_compile_once_per_bucket():
   tok = TOK
 

@@ -3,7 +3,12 @@ speculative with an adaptive K.
 
 A decoder is a small value that holds how to decode (sampling parameters, verification
 mode, draft length, reduced draft vocabulary, per-turn limit); the policy, the prompts and
-the stop tokens are the call's. Every decoder has the same four members:
+the stop tokens are the call's. Every decoder has the same five members:
+
+  out = decoder.generate(graphdef, params, prompt_tokens [B, P], prompt_lengths [B], rng, *,
+                         max_new_tokens, cache_length, stop_tokens, row_stops=None)
+      one turn, no state kept: the output only (what a benchmark or a single-turn rollout
+      times);
 
   state = decoder.start(graphdef, params, prompt_tokens [B, P], prompt_lengths [B], rng, *,
                         max_new_tokens, cache_length, stop_tokens, row_stops=None)
@@ -39,8 +44,12 @@ from bebop_jax.decoding import adaptive, autoregressive, sampling, segments, spe
 
 
 class Decoder(Protocol):
-  """What the episode loop needs of a decoder (module docstring)."""
+  """What the episode loop and single-turn callers need of a decoder (module docstring)."""
   lookahead: int
+
+  def generate(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *,
+               max_new_tokens: int, cache_length: int, stop_tokens: Sequence[int],
+               row_stops=None) -> Any: ...
 
   def start(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *,
             max_new_tokens: int, cache_length: int, stop_tokens: Sequence[int],
@@ -68,6 +77,14 @@ class Autoregressive:
   return_hidden: bool = False
   lookahead: int = dataclasses.field(default=0, init=False)
 
+  def generate(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *, max_new_tokens,
+               cache_length, stop_tokens, row_stops=None):
+    return autoregressive.generate(
+        graphdef, params, prompt_tokens, prompt_lengths, rng,
+        max_new_tokens=_turn_budget(max_new_tokens, self.max_turn_tokens),
+        cache_length=cache_length, params=self.params, stop_tokens=tuple(stop_tokens),
+        row_stops=row_stops)
+
   def start(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *, max_new_tokens,
             cache_length, stop_tokens, row_stops=None):
     return autoregressive.start(
@@ -84,6 +101,10 @@ class Autoregressive:
   def draft_counts(self, out, i):
     forwards = int(out.emitted_by_forwards[i])  # one emitted token per forward
     return np.zeros(0, np.int64), np.zeros(0, np.int64), forwards
+
+
+def _turn_budget(max_new_tokens: int, max_turn_tokens: int | None) -> int:
+  return max_new_tokens if max_turn_tokens is None else min(max_new_tokens, max_turn_tokens)
 
 
 def _speculative_counts(out, i):
@@ -105,6 +126,15 @@ class Speculative:
   @property
   def lookahead(self) -> int:
     return self.num_draft_steps
+
+  def generate(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *, max_new_tokens,
+               cache_length, stop_tokens, row_stops=None):
+    return speculative.generate(
+        graphdef, params, prompt_tokens, prompt_lengths, rng,
+        max_new_tokens=_turn_budget(max_new_tokens, self.max_turn_tokens),
+        cache_length=cache_length, params=self.params, mode=self.mode,
+        stop_tokens=tuple(stop_tokens), row_stops=row_stops,
+        num_draft_steps=self.num_draft_steps, draft_vocab=_vocab(self.draft_vocab))
 
   def start(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *, max_new_tokens,
             cache_length, stop_tokens, row_stops=None):
@@ -147,6 +177,18 @@ class Adaptive:
     return dict(params=self.params, mode=self.mode, settings=self.settings,
                 acceptance=self.acceptance, max_turn_tokens=self.max_turn_tokens,
                 draft_vocab=_vocab(self.draft_vocab))
+
+  def generate(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *, max_new_tokens,
+               cache_length, stop_tokens, row_stops=None):
+    common = self._common()
+    del common["max_turn_tokens"]
+    out, st = segments.generate(
+        graphdef, params, prompt_tokens, prompt_lengths, rng,
+        max_new_tokens=_turn_budget(max_new_tokens, self.max_turn_tokens),
+        cache_length=cache_length, stop_tokens=tuple(stop_tokens), row_stops=row_stops,
+        **common)
+    self.stats.append(st)
+    return out
 
   def start(self, graphdef, params, prompt_tokens, prompt_lengths, rng, *, max_new_tokens,
             cache_length, stop_tokens, row_stops=None):

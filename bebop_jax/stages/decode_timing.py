@@ -28,9 +28,14 @@ from flax import nnx
 
 from bebop_jax.compilation import release_compiled
 from bebop_jax.data import pipeline
-from bebop_jax.decoding import autoregressive, diagnostics, sampling, segments, speculative
+from bebop_jax.decoding import decoder, diagnostics, sampling, speculative
 from bebop_jax.decoding.batching import pad_rows
 from bebop_jax.stages import config as config_lib
+
+
+def _ids(ids) -> tuple[int, ...] | None:
+  """A draft vocabulary (array of token ids, or None) as a decoder holds it."""
+  return None if ids is None else tuple(int(i) for i in np.asarray(ids))
 
 
 def _examples(config, batch: int, num_prompts: int) -> list:
@@ -177,20 +182,17 @@ def run_benchmark(config, graphdef, state, *, batch_sizes, temperatures, modes, 
       params = sampling.SamplingParams(temperature=t)
 
       def loops(max_new_tokens, params=params, t=t):
-        fns = {"autoregressive": lambda tokens, lengths, seed: autoregressive.generate(
-            graphdef, state, tokens, lengths, jax.random.key(seed),
-            max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
-            params=params, stop_tokens=stop)}
+        def call(dec):
+          return lambda tokens, lengths, seed: dec.generate(
+              graphdef, state, tokens, lengths, jax.random.key(seed),
+              max_new_tokens=max_new_tokens, cache_length=tokens.shape[1] + max_new + 8,
+              stop_tokens=stop)
+        fns = {"autoregressive": call(decoder.Autoregressive(params))}
         for mode in (["exact"] if t == 0 else modes):
           for label, ids in draft_vocabs.items():
             for k in lengths_run:
-              fns[(mode, label, k)] = (
-                  lambda tokens, lengths, seed, mode=mode, ids=ids, k=k: speculative.generate(
-                      graphdef, state, tokens, lengths, jax.random.key(seed),
-                      max_new_tokens=max_new_tokens,
-                      cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode,
-                      stop_tokens=stop, num_draft_steps=k,
-                      draft_vocab=None if ids is None else jax.numpy.asarray(ids)))
+              fns[(mode, label, k)] = call(decoder.Speculative(
+                  params, mode, k, draft_vocab=_ids(ids)))
         return fns
 
       timed = timed_passes(loops(max_new), batches, repeats)
@@ -289,22 +291,15 @@ def _adaptive_round(graphdef, state, batches, timed, *, k_drafter, params, max_n
     att = sum(np.asarray(o.attempted).sum(0) for o in sp)
     acc = sum(np.asarray(o.accepted).sum(0) for o in sp)
     seed = (acc / np.maximum(att, 1)).tolist()
-    ids = draft_vocabs[label]
-    stats = []
-
-    def run(tokens, lengths, rng_seed, mode=mode, ids=ids, seed=seed, stats=stats):
-      o, st = segments.generate(
-          graphdef, state, tokens, lengths, jax.random.key(rng_seed), max_new_tokens=max_new,
-          cache_length=tokens.shape[1] + max_new + 8, params=params, mode=mode,
-          stop_tokens=stop, settings=dataclasses.replace(settings, k_max=len(seed)),
-          acceptance=seed, draft_vocab=None if ids is None else jax.numpy.asarray(ids))
-      stats.append(st)
-      return o
-
-    fns = {"autoregressive": lambda tokens, lengths, rng_seed: autoregressive.generate(
+    adaptive_decoder = decoder.Adaptive(
+        params, mode, dataclasses.replace(settings, k_max=len(seed)), acceptance=seed,
+        draft_vocab=_ids(draft_vocabs[label]))
+    stats = adaptive_decoder.stats
+    call = lambda dec: (lambda tokens, lengths, rng_seed: dec.generate(
         graphdef, state, tokens, lengths, jax.random.key(rng_seed), max_new_tokens=max_new,
-        cache_length=tokens.shape[1] + max_new + 8, params=params, stop_tokens=stop),
-           "adaptive": run}
+        cache_length=tokens.shape[1] + max_new + 8, stop_tokens=stop))
+    fns = {"autoregressive": call(decoder.Autoregressive(params)),
+           "adaptive": call(adaptive_decoder)}
     round_ = timed_passes(fns, batches, repeats)
     release_compiled()  # this mode's programs are not used again
     last = stats[-len(batches):]  # the last pass's calls
