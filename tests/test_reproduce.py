@@ -206,6 +206,33 @@ def test_an_interrupted_stage_counts_its_attempts_to_their_last_logged_step(tmp_
   assert common.interrupted_seconds(str(stage), [90.0]) == 0.0  # one attempt: none cut short
 
 
+def test_learning_curves_average_the_held_out_evals_over_seeds(tmp_path):
+  """F3's learning curves: per objective and eval step, the mean over depths of each run's
+  eval/alpha_k, then mean and standard error over seeds; step 0 the warm start's end when
+  the runs did not evaluate there; steps not every seed evaluated are left out."""
+  from experiments.findings import objectives  # pylint: disable=g-import-not-at-top
+  ctx = common.Context(str(tmp_path), "smoke")
+  write = lambda path, rows: (path.mkdir(parents=True, exist_ok=True), path.joinpath(
+      "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)))
+  ev = lambda step, *alphas: {"stage": "mtp", "step": step, "time": 0.0, **{
+      f"eval/alpha_{k}": a for k, a in enumerate(alphas, 1)}, "eval/draft_events_1": 9.0}
+  write(tmp_path / "warm", [ev(1, 0.5, 0.3)])
+  for loss in ctx.scale.objectives:
+    for seed in range(2):
+      rows = [ev(1, 0.6 + 0.1 * seed, 0.4), {"stage": "mtp", "step": 1, "time": 0.0,
+                                             "loss": 1.0}]
+      if seed == 0:
+        rows.append(ev(2, 0.9, 0.9))  # only seed 0 evaluated step 2
+      write(tmp_path / "objectives" / loss / f"seed{seed}", rows)
+  curves = objectives.learning_curves(ctx)
+  assert set(curves) == set(ctx.scale.objectives)
+  c = curves["e2e_tv"]
+  assert c["steps"] == [0, 1] and c["seeds"] == 2
+  np.testing.assert_allclose(c["mean"], [0.4, np.mean([0.5, 0.55])])
+  np.testing.assert_allclose(c["se"], [0.0, np.std([0.5, 0.55], ddof=1) / np.sqrt(2)])
+  assert "| e2e_tv | 0.400±0.000 | 0.525±0.025 |" in objectives.curves_table(curves)
+
+
 def test_bad_scale_and_arm_are_refused(tmp_path):
   with pytest.raises(ValueError, match="scale='huge' is not allowed: one of"):
     common.Context(str(tmp_path), "huge")

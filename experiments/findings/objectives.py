@@ -154,8 +154,8 @@ def _heldout_evals(workdir: str) -> dict[int, float]:
 
 def learning_curves(ctx: common.Context, start: str = "warm") -> dict[str, dict]:
   """Per objective, the held-out acceptance (mean over depths, teacher-forced) at each eval
-  step, mean and standard error over seeds; step 0 is the shared warm start's last eval
-  (at scales with one)."""
+  step, mean and standard error over seeds; step 0 is the starting drafter (the shared warm
+  start's last eval at scales with one, when the runs did not evaluate at step 0)."""
   warm = (_heldout_evals(os.path.join(ctx.workdir, "warm"))
           if start == "warm" and ctx.scale.warm_steps else {})
   top = "objectives" if start == "warm" else f"objectives_{start}"
@@ -168,7 +168,7 @@ def learning_curves(ctx: common.Context, start: str = "warm") -> dict[str, dict]
       continue
     values = np.asarray([[r[t] for t in steps] for r in runs])
     mean, se = common.mean_se(values)
-    if warm:
+    if warm and 0 not in steps:  # the runs' step 0 (when evaluated) is the warm start's end
       steps, mean, se = [0] + steps, np.r_[warm[max(warm)], mean], np.r_[0.0, se]
     out[loss] = {"steps": list(steps), "mean": mean.tolist(), "se": se.tolist(),
                  "seeds": len(runs)}
