@@ -149,7 +149,7 @@ SCALES = {
     # each from one 200-step KL warm start (measured in rejection sampling only), F4 with the frozen e2e-TV drafter and its CE
     # control through 48 RL steps (also F1/F2's points per RL step).
     "real": Scale("real", "configs/smollm2.py", seeds=3, mtp_steps=40, warm_steps=200,
-                  rl_steps=48, rl_eval_every=24, rl_eval_examples=32, periodic_every=8,
+                  rl_steps=48, rl_eval_every=48, rl_eval_examples=32, periodic_every=8,
                   bench_steps=8, bench_warmup=1, bench_eval_examples=16, bench_block_steps=4,
                   temperatures=(0.3, 0.5, 0.7, 1.0, 1.3), rl_learning_rate=2e-5,
                   rl_prompts_per_batch=4, objective_modes=("rejection",),
