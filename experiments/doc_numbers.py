@@ -32,6 +32,7 @@ _OPS: dict[str, Callable[..., float]] = {
     "value": lambda x: x,
     "minutes": lambda s: s / 60.0,
     "sum": lambda *xs: sum(xs),
+    "sum_minutes": lambda *xs: sum(xs) / 60.0,
     "mean": lambda *xs: sum(xs) / len(xs),
     "min": lambda *xs: min(xs),
     "max": lambda *xs: max(xs),

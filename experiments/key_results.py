@@ -77,9 +77,9 @@ def load_real_findings() -> dict[str, Source]:
 REAL_SECTION = """## The real policy: SmolLM2-135M-Instruct
 
 The same findings on a real pretrained model, SmolLM2-135M-Instruct (`configs/smollm2.py`:
-SFT on math and code in its chat format, drafters from a copy of its last block), at the
-`real` scale (docs/reproduce.md: 2 seeds per MTP loss, short drafter and RL runs sized for
-two CPU cores). Every table, figure and rule is on its own page,
+SFT on math and code in its chat format, drafters fine-tuned from one shared warm start of
+the drafter recipe), at the `real` scale (docs/reproduce.md: five MTP losses over 3 seeds,
+drafter and RL runs sized for two CPU cores). Every table, figure and rule is on its own page,
 [results_real.md](results_real.md); this section is rendered from its data
 (`docs/results_real/*.json`) by `python experiments/key_results.py --write`.
 """
@@ -187,7 +187,8 @@ def _f3(b: Block, f: Source) -> str:
   g = lambda c, loss: (f"{b.num(c['paired'][loss]['mean'], fmt='+.1%')} "
                        f"{_ci(b, c['paired'][loss]['ci95'], '+.1%')}")
   text = (f"acceptance over CE, paired by seed ({comp['seeds'].value} seeds, 95% t): e2e-TV "
-          f"{g(comp, 'e2e_tv')}, per-step TV {g(comp, 'tv')}, KL {g(comp, 'kl')}")
+          f"{g(comp, 'e2e_tv')}, per-step TV {g(comp, 'tv')}, KL {g(comp, 'kl')}" +
+          (f", LK {g(comp, 'lk')}" if "lk" in comp["paired"].value else ""))
   if d.get("scratch"):
     text += f"; from scratch e2e-TV {g(d['scratch'], 'e2e_tv')}, TV {g(d['scratch'], 'tv')}"
   return text

@@ -26,6 +26,13 @@ def real_scale_time(b: Block) -> str:
                "none: it reuses the points of the finding above")
     lines.append(f"| [{f['title'].value}](results_real.md) | {f['verdict'].value} | "
                  f"{minutes} |")
+  ledger_path = os.path.join(REAL_RESULTS, "stage_seconds.json")
+  if os.path.exists(ledger_path):
+    ledger = Source(ledger_path)
+    total = b.num(*(ledger[k] for k in ledger.value), fmt=".1f", op="sum_minutes")
+    lines.append(f"| every stage the page's findings read (`{ledger_path}`, seconds per stage; "
+                 f"a finding's own minutes above leave out stages an earlier run made) | | "
+                 f"{total} |")
   return "\n".join(lines)
 
 

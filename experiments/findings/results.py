@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import jax
 
 from bebop_jax import compilation
+from bebop_jax.train import metrics as metrics_lib
 from experiments.findings import acceptance_entropy, common, objectives, speedup, through_rl
 
 # Script name -> the function that makes its findings, in the order they depend on each other
@@ -98,6 +99,8 @@ def write_page(ctx: common.Context, findings: Sequence[common.Finding], path: st
   ordered = [by_name[n] for n in PAGE_ORDER if n in by_name]
   ledger = ctx.seconds()
   stage_min = sum(ledger.values()) / 60
+  # The seconds of every stage the page's findings read, next to their data.
+  metrics_lib.write_json_atomic(os.path.join(asset_dir, "stage_seconds.json"), ledger)
   resumed = ctx.resumed()
   runs = ("each run once" if not resumed else
           "each run once except " + ", ".join(f"{k} ({n} attempts)" for k, n in resumed.items())
