@@ -154,9 +154,11 @@ SCALES = {
                   temperatures=(0.3, 0.5, 0.7, 1.0, 1.3), rl_learning_rate=2e-5,
                   rl_prompts_per_batch=4, objective_modes=("rejection",),
                   drafter_arms=("frozen_ce", "frozen_e2e_tv"), gguf_checkpoint=SMOLLM2_DIR),
-    # The same policy at the budgets of an accelerator: 3 seeds, the config's MTP steps, every
-    # F4 arm over a longer RL run.
-    "real_full": Scale("real_full", "configs/smollm2.py", seeds=3, mtp_steps=0, rl_steps=100,
+    # The same policy at the budgets of an accelerator: the drafter recipe's budget (a 500-step
+    # KL warm start, then 500 steps of each objective), 3 seeds, every F4 arm over a longer
+    # RL run.
+    "real_full": Scale("real_full", "configs/smollm2.py", seeds=3, mtp_steps=500,
+                       warm_steps=500, rl_steps=100,
                        rl_eval_every=25, rl_eval_examples=128, periodic_every=10,
                        bench_steps=32, bench_warmup=2, bench_eval_examples=64,
                        bench_block_steps=8, temperatures=(0.3, 0.5, 0.7, 1.0, 1.3),
