@@ -215,6 +215,17 @@ def f2_v1(result: dict[str, Any]) -> Decision:
                          "point set. " + text
 
 
+def _gap_decided(states: list[str], text: str) -> Decision | None:
+  """F2's verdict when every point set's gap slope agrees ("widens" / "narrows"), else None."""
+  if all(s == "widens" for s in states):
+    return "reproduced", ("The gap between greedy drafts and rejection sampling widens with "
+                          "entropy (95% interval of its slope below zero) in both point sets. "
+                          + text)
+  if all(s == "narrows" for s in states):
+    return "not reproduced", "Greedy drafts fall less steeply in both point sets. " + text
+  return None
+
+
 def _f2_gap(result: dict[str, Any], *, guarded: bool) -> Decision:
   states, lines = [], []
   for source in SOURCES:
@@ -224,12 +235,9 @@ def _f2_gap(result: dict[str, Any], *, guarded: bool) -> Decision:
     states.append({"falls": "widens", "rises": "narrows"}.get(state, state))
     lines.append(_describe_fit(f"{source}", gap, ci, states[-1]))
   text = "Slope of the depth-1 gap greedy_draft - rejection: " + "; ".join(lines) + "."
-  if all(s == "widens" for s in states):
-    return "reproduced", ("The gap between greedy drafts and rejection sampling widens with "
-                          "entropy (95% interval of its slope below zero) in both point sets. "
-                          + text)
-  if all(s == "narrows" for s in states):
-    return "not reproduced", "Greedy drafts fall less steeply in both point sets. " + text
+  decided = _gap_decided(states, text)
+  if decided:
+    return decided
   if guarded and any(s in ("narrow", "uncorrected") for s in states):
     return "inconclusive", ("At least one point set cannot decide (entropy spans less than "
                             f"{MIN_ENTROPY_RANGE} nats, or a series without an "
@@ -314,12 +322,9 @@ def f2_v4(result: dict[str, Any]) -> Decision:
       {"falls": "widens", "rises": "narrows"})
   text = ("Slope of the depth-1 gap: " + "; ".join(lines) + ". RL-step points: " +
           _drift_text(result["fits"]["rl_steps"].get("entropy_drift")) + ".")
-  if all(s == "widens" for s in states):
-    return "reproduced", ("The gap between greedy drafts and rejection sampling widens with "
-                          "entropy (95% interval of its slope below zero) in both point sets. "
-                          + text)
-  if all(s == "narrows" for s in states):
-    return "not reproduced", "Greedy drafts fall less steeply in both point sets. " + text
+  decided = _gap_decided(states, text)
+  if decided:
+    return decided
   if blocked:
     return "inconclusive", "A point set cannot decide: " + "; ".join(blocked) + ". " + text
   return "inconclusive", ("The gap's slope is not below zero beyond its 95% interval in every "
