@@ -15,6 +15,7 @@ from bebop_jax.model.config import ModelConfig
 
 INITS = ("sft", "fresh", "copy_last_block")
 PROJ_INITS = ("random", "identity")
+MTP = nnx.All(nnx.Param, nnx.PathContains("mtp"))  # the drafter's parameters
 
 
 def init_drafter(params: nnx.State, model_cfg: ModelConfig, how: str, *, seed: int,
@@ -35,8 +36,7 @@ def init_drafter(params: nnx.State, model_cfg: ModelConfig, how: str, *, seed: i
     raise ValueError(f"mtp.proj_init={proj_init!r} is not allowed: one of {PROJ_INITS}")
   if how == "sft":
     return params
-  mtp_filter = nnx.All(nnx.Param, nnx.PathContains("mtp"))
-  fresh = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(seed))).filter(mtp_filter)
+  fresh = nnx.state(policy_lib.Policy(model_cfg, rngs=nnx.Rngs(seed))).filter(MTP)
   if how == "copy_last_block":
     layers = params["layers"]
     m, e = model_cfg.num_mtp_modules, model_cfg.d_model
@@ -48,4 +48,9 @@ def init_drafter(params: nnx.State, model_cfg: ModelConfig, how: str, *, seed: i
       proj = jnp.broadcast_to(jnp.concatenate([eye, eye]), (m, 2 * e, e))
       fresh["mtp"]["proj"].set_value(proj.astype(fresh["mtp"]["proj"][...].dtype))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return nnx.merge_state(params.filter(nnx.Not(mtp_filter)), jax.device_put(fresh, device))
+  return with_drafter(params, jax.device_put(fresh, device))
+
+
+def with_drafter(params: nnx.State, drafter: nnx.State) -> nnx.State:
+  """`params` with their MTP modules replaced by those of `drafter` (a state holding them)."""
+  return nnx.merge_state(params.filter(nnx.Not(MTP)), drafter.filter(MTP))

@@ -224,9 +224,8 @@ def _drafter_from(config: ml_collections.ConfigDict, source: str,
     raise FileNotFoundError(f"config.mtp.drafter_from={source!r} holds no completed MTP "
                             "stage: run it first")
   _, warm = lineage.restore_policy(config, source, stage="mtp")
-  mtp_filter = nnx.All(nnx.Param, nnx.PathContains("mtp"))
   print(f"[mtp] the drafter starts from the MTP stage in {source}")
-  return nnx.merge_state(params.filter(nnx.Not(mtp_filter)), warm.filter(mtp_filter))
+  return drafter_init.with_drafter(params, warm)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
